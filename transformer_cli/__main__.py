@@ -1,0 +1,3 @@
+from transformer_cli.cli import main
+
+main()

@@ -1,0 +1,190 @@
+"""`tfm`: thin Typer commands. Each parses options and calls a plain function; errors become one
+line on stderr and an exit code (1 runtime, 2 usage). torch is imported only inside commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from transformer_cli.errors import TfmError, UsageError
+
+app = typer.Typer(
+    help="Train, evaluate and run a from-scratch transformer sentiment classifier on IMDB reviews.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"tfm: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except TfmError as e:
+        _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except MemoryError:
+        _fail("out of memory; lower --batch-size or data.max_length", 1)
+    except OSError as e:
+        where = f" '{e.filename}'" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}", 1)
+    except Exception as e:  # a bug: still one line, with the traceback on request
+        if os.environ.get("TFM_DEBUG"):
+            raise
+        _fail(f"unexpected {type(e).__name__}: {e} (set TFM_DEBUG=1 to see the traceback)", 1)
+
+
+Ckpt = Annotated[Path, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
+        show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
+    data: Annotated[Optional[str], typer.Option(envvar="TFM_DATA", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s).", show_default=False)] = None,
+    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Passes over the training split.")] = None,
+    max_steps: Annotated[Optional[int], typer.Option(help="Stop after this many optimizer steps.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Examples per optimizer step (all processes).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for the split, init, dropout and batching.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = None,
+    precision: Annotated[Optional[str], typer.Option(help="auto, fp32, bf16 or fp16.")] = None,
+    max_train_samples: Annotated[Optional[int], typer.Option(help="Train on a random subset of this size.")] = None,
+    max_eval_samples: Annotated[Optional[int], typer.Option(help="Validate/test on at most this many examples.")] = None,
+    test: Annotated[bool, typer.Option("--test", help="Evaluate the best model on the test split at the end.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in the output directory.")] = False,
+    resume_from: Annotated[Optional[Path], typer.Option(help="Continue from this checkpoint folder.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="On resume, accept settings that differ from the checkpoint's.")] = False,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Train a classifier and write OUTPUT_DIR (model.safetensors, config.json, tokenizer.json, metrics.json, events)."""
+    options = {
+        "data.source": data, "train.output_dir": None if output_dir is None else str(output_dir),
+        "train.epochs": epochs, "train.max_steps": max_steps, "train.batch_size": batch_size, "train.lr": lr,
+        "train.seed": seed, "train.device": device, "train.precision": precision,
+        "data.max_train_samples": max_train_samples, "data.max_eval_samples": max_eval_samples,
+        "train.test_at_end": True if test else None,
+    }
+
+    def go():
+        from transformer_cli.config import load_config, parse_overrides
+
+        values = parse_overrides(overrides or [])
+        values.update({k: v for k, v in options.items() if v is not None})
+        cfg = load_config(config, values)
+        from transformer_cli.train import train as run_train
+
+        return run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
+
+    metrics = _run(go)
+    val = metrics.get("val", {})
+    line = f"done: best val accuracy {val.get('accuracy', float('nan')):.4f} at step {metrics['best_step']}"
+    if "test" in metrics:
+        line += f", test accuracy {metrics['test']['accuracy']:.4f}"
+    typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
+
+
+def _read_inputs(texts: list[str], file: Optional[str]) -> list[str]:
+    if file is not None:
+        if texts:
+            raise UsageError("pass review TEXT arguments or --file, not both")
+        if file == "-":
+            raw = sys.stdin.buffer.read()
+        else:
+            p = Path(file)
+            if p.is_dir():
+                raise UsageError(f"--file '{file}' is a directory; pass a text file with one review per line")
+            try:
+                raw = p.read_bytes()
+            except FileNotFoundError:
+                raise UsageError(f"--file '{file}' does not exist") from None
+        try:
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            content = raw.decode("latin-1")
+            typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
+        texts = content.splitlines()
+    for i, t in enumerate(texts, 1):
+        if not t.strip():
+            where = f"line {i} of '{file}'" if file is not None else f"text {i}"
+            raise UsageError(f"{where} is empty; every input must be a non-empty review")
+    if not texts:
+        raise UsageError("no input: pass review TEXT arguments or --file PATH ('-' for stdin)")
+    return texts
+
+
+@app.command()
+def predict(
+    texts: Annotated[Optional[list[str]], typer.Argument(help="Reviews to classify.", show_default=False)] = None,
+    checkpoint: Ckpt = Path("runs/tfm"),
+    file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input line: label, score, probabilities.")] = False,
+    device: Device = "auto",
+    batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+) -> None:
+    """Print the predicted label and its probability for each review, in input order."""
+
+    def go():
+        inputs = _read_inputs(texts or [], file)
+        from transformer_cli.evaluate import predict_texts
+
+        return inputs, predict_texts(checkpoint, inputs, device, batch_size)
+
+    inputs, results = _run(go)
+    for text, r in zip(inputs, results):
+        if as_json:
+            typer.echo(json.dumps(r))
+        else:
+            snippet = text if len(text) <= 60 else text[:57] + "..."
+            typer.echo(f"{r['label']}\t{r['score']:.4f}\t{snippet}")
+
+
+@app.command()
+def evaluate(
+    checkpoint: Ckpt = Path("runs/tfm"),
+    data: Annotated[Optional[str], typer.Option(help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
+    split: Annotated[str, typer.Option(help="Split to evaluate.")] = "test",
+    max_samples: Annotated[Optional[int], typer.Option(min=1, help="Evaluate a seeded random subset of this size.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
+    device: Device = "auto",
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Reviews per forward pass.")] = None,
+) -> None:
+    """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
+
+    def go():
+        from transformer_cli.evaluate import evaluate_checkpoint
+
+        return evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size)
+
+    m = _run(go)
+    if as_json:
+        typer.echo(json.dumps(m))
+        return
+    (tn, fp), (fn, tp) = m["confusion_matrix"]
+    neg, pos = m["labels"]
+    typer.echo(f"{m['data']} [{split}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s")
+    for key in ("accuracy", "precision", "recall", "f1", "loss"):
+        typer.echo(f"  {key:<10} {m[key]:.4f}")
+    typer.echo(f"  confusion  true {neg}: {tn} {neg} / {fp} {pos};  true {pos}: {fn} {neg} / {tp} {pos}")
+
+
+def main() -> None:
+    app(prog_name="tfm")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""Configuration: dataclasses that validate themselves, loaded from TOML, saved as JSON.
+
+A run is described by one `Config` with three sections (`model`, `data`, `train`). TOML files in
+`configs/` set any subset of fields; `KEY=VALUE` overrides on the command line use dotted keys
+(`model.n_layers=4`, `train.lr=3e-4`, `data.source=../shared/data/imdb`), with TOML value syntax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from transformer_cli.errors import UsageError
+
+
+class _Section:
+    """Type checks every field against its annotation, then runs the section's own `validate`."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if not _type_ok(value, hints[f.name]):
+                raise UsageError(
+                    f"{self._name}.{f.name} = {value!r}: expected {_type_name(hints[f.name])}"
+                )
+            if isinstance(value, int) and not isinstance(value, bool) and _wants_float(hints[f.name]):
+                object.__setattr__(self, f.name, float(value))
+        self.validate()
+
+    _name = "config"
+
+    def validate(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    def _fail(self, name: str, why: str) -> None:
+        raise UsageError(f"{self._name}.{name} = {getattr(self, name)!r}: {why}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        for key in d:
+            if key not in known:
+                raise UsageError(
+                    f"unknown config key '{cls._name}.{key}'; valid keys: {', '.join(sorted(known))}"
+                )
+        return cls(**d)
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    return isinstance(value, tp)
+
+
+def _wants_float(tp: Any) -> bool:
+    if tp is float:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp) and int not in typing.get_args(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    _name = "model"
+    d_model: int = 128  # embedding / residual width
+    n_heads: int = 8
+    n_layers: int = 3
+    ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
+    dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
+    attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
+    pooling: Literal["max", "mean", "first"] = "mean"
+    norm: Literal["post", "pre"] = "pre"
+    pos_emb: Literal["learned", "sinusoidal"] = "learned"
+    attention: Literal["auto", "sdpa", "explicit"] = "auto"
+
+    def validate(self) -> None:
+        for name in ("d_model", "n_heads", "n_layers", "ff_mult"):
+            if getattr(self, name) < 1:
+                self._fail(name, "must be at least 1")
+        if self.d_model % self.n_heads:
+            self._fail("d_model", f"must be divisible by model.n_heads = {self.n_heads}")
+        for name in ("dropout", "attn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                self._fail(name, "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    _name = "data"
+    source: str = "stanfordnlp/imdb"  # Hub id, Hub-layout folder, aclImdb folder/tarball, or files
+    text_column: str = "text"
+    label_column: str = "label"
+    val_size: float = 0.1  # fraction of train held out for validation (stratified, seeded)
+    tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
+    vocab_size: int = 30000
+    lowercase: bool = True
+    max_length: int = 256  # tokens per review, including the leading [CLS]
+    truncation: Literal["head", "head_tail"] = "head_tail"
+    head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
+    max_train_samples: int | None = None
+    max_eval_samples: int | None = None
+    cache_dir: str | None = None  # default: $TFM_CACHE or ~/.cache/transformer_cli
+
+    def validate(self) -> None:
+        if not self.source:
+            self._fail("source", "must name a dataset")
+        if not 0.0 < self.val_size < 1.0:
+            self._fail("val_size", "must be a fraction in (0, 1)")
+        if self.vocab_size < 100:
+            self._fail("vocab_size", "must be at least 100")
+        if self.max_length < 2:
+            self._fail("max_length", "must be at least 2")
+        if not 0.0 <= self.head_fraction <= 1.0:
+            self._fail("head_fraction", "must be in [0, 1]")
+        for name in ("max_train_samples", "max_eval_samples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                self._fail(name, "must be at least 1 (or unset)")
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Section):
+    _name = "train"
+    output_dir: str = "runs/tfm"
+    epochs: int = 3
+    max_steps: int | None = None  # stop after this many optimizer steps, whatever the epochs
+    batch_size: int = 32  # examples per optimizer step, summed over processes and accumulation
+    grad_accum_steps: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.98
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_steps: int | None = None  # exactly one of warmup_steps / warmup_ratio is used
+    warmup_ratio: float = 0.06
+    min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    label_smoothing: float = 0.0
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: bool = False  # torch.compile the model (GPU; measured slower to warm up on CPU)
+    log_every: int = 20  # steps between train/* scalars
+    eval_every: int | None = None  # steps between validation passes (besides each epoch end)
+    eval_batch_size: int = 256
+    test_at_end: bool = False  # evaluate the best model on the test split after training
+    checkpoint_every: int | None = 500  # steps between resumable checkpoints (and each epoch end)
+    keep_checkpoints: int = 2
+    max_bad_steps: int = 10  # consecutive non-finite steps before training stops
+    num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
+
+    def validate(self) -> None:
+        positive = ("epochs", "batch_size", "grad_accum_steps", "log_every", "eval_batch_size",
+                    "keep_checkpoints", "max_bad_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                self._fail(name, "must be at least 1")
+        for name in ("max_steps", "eval_every", "checkpoint_every", "num_threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                self._fail(name, "must be at least 1 (or unset)")
+        if self.lr <= 0:
+            self._fail("lr", "must be positive")
+        if self.weight_decay < 0:
+            self._fail("weight_decay", "must be non-negative")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                self._fail(name, "must be in [0, 1)")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            self._fail("warmup_steps", "must be non-negative")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            self._fail("warmup_ratio", "must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            self._fail("min_lr_ratio", "must be in [0, 1]")
+        if self.grad_clip < 0:
+            self._fail("grad_clip", "must be non-negative (0 disables clipping)")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            self._fail("label_smoothing", "must be in [0, 1)")
+        if self.batch_size % self.grad_accum_steps:
+            self._fail("batch_size", f"must be divisible by train.grad_accum_steps = {self.grad_accum_steps}")
+        if not (self.device in ("auto", "cpu", "mps", "cuda") or self.device.startswith("cuda:")):
+            self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        for key, value in d.items():
+            if key not in SECTIONS:
+                raise UsageError(f"unknown config section '{key}'; valid sections: model, data, train")
+            if not isinstance(value, dict):
+                raise UsageError(f"config section '{key}' must be a table of keys")
+        return cls(**{k: SECTIONS[k].from_dict(d.get(k, {})) for k in SECTIONS})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some fields of some sections changed, e.g. replace(train={"lr": 1e-3})."""
+        d = self.to_dict()
+        for section, values in sections.items():
+            d[section].update(values)
+        return Config.from_dict(d)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value in TOML syntax (`3`, `1e-4`, `true`, `"x"`); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(d: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys (`train.lr`) in a nested config dict; returns a new dict."""
+    out = {k: dict(v) for k, v in d.items()}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if not name or "." in name:
+            raise UsageError(f"override '{key}' must look like SECTION.FIELD=VALUE, e.g. train.lr=3e-4")
+        if section not in SECTIONS:
+            raise UsageError(f"unknown config section '{section}' in override '{key}'; valid sections: model, data, train")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"'{item}' is not an override; write SECTION.FIELD=VALUE, e.g. model.n_layers=4")
+        out[key.strip()] = parse_value(value.strip())
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"config file '{path}' does not exist; see configs/ for the shipped recipes") from None
+    except IsADirectoryError:
+        raise UsageError(f"config file '{path}' is a directory; pass a .toml file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"config file '{path}' is not valid TOML: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    d = read_toml(path) if path is not None else {}
+    return Config.from_dict(apply_overrides(d, overrides or {}))
+
+
+def save_json(obj: Any, path: Path) -> None:
+    from transformer_cli.checkpoint import atomic_write_text
+
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")

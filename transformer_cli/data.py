@@ -1,0 +1,446 @@
+"""Data: load labelled reviews from any supported source, train the tokenizer, encode, batch.
+
+Encoded splits are flat int32 token arrays plus offsets, cached on disk as .npy files keyed by a
+hash of the texts and every setting that changes the result, so a second run skips tokenization.
+Heavy libraries (`datasets`) are imported only where a dataset is actually loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from transformer_cli.config import DataConfig
+from transformer_cli.errors import TfmError, UsageError
+
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
+DEFAULT_LABELS = ["neg", "pos"]
+FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+@dataclass
+class RawSplit:
+    texts: list[str]
+    labels: np.ndarray  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def subset(self, idx: np.ndarray) -> RawSplit:
+        return RawSplit([self.texts[i] for i in idx], self.labels[idx])
+
+    def fingerprint(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for t in self.texts:
+            h.update(t.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        h.update(self.labels.astype(np.int64).tobytes())
+        return h.hexdigest()
+
+
+@dataclass
+class Encoded:
+    """A split's token ids: row i is ids[offsets[i]:offsets[i+1]], starting with [CLS]."""
+
+    ids: np.ndarray  # (total_tokens,) int32
+    offsets: np.ndarray  # (N + 1,) int64
+    labels: np.ndarray  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def row(self, i: int) -> np.ndarray:
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, RawSplit], list[str]]:
+    """The requested splits of `cfg.source` and the label names."""
+    source = cfg.source
+    path = Path(source)
+    if "=" in source and not path.exists():
+        files = dict(part.split("=", 1) for part in source.split(","))
+        return _from_hf_files(files, cfg, splits)
+    if path.is_file():
+        if source.endswith((".tar.gz", ".tgz")):
+            return _from_acl_tarball(path, splits)
+        if path.suffix.lower() in FILE_BUILDERS:
+            return _from_hf_files({"train": source}, cfg, splits)
+        raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
+    if path.is_dir():
+        acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
+        if (acl / "train" / "pos").is_dir():
+            return _from_acl_folder(acl, splits)
+        return _from_hf(source, cfg, splits)
+    if _looks_like_path(source):
+        raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
+    return _from_hf(source, cfg, splits)
+
+
+def _looks_like_path(source: str) -> bool:
+    """Hub ids are `name` or `owner/name`; anything else that does not exist is a missing path."""
+    suffixes = (*FILE_BUILDERS, ".tar.gz", ".tgz")
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.lower().endswith(suffixes)
+
+
+def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(source)
+    except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TfmError(
+            f"could not load dataset '{source}' ({first}); pass a local copy with --data PATH"
+        ) from None
+    return _from_dataset_dict(ds, cfg, splits, source)
+
+
+def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...]):
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    suffixes = {Path(f).suffix.lower() for f in files.values()}
+    for f in files.values():
+        if not Path(f).is_file():
+            raise UsageError(f"data file '{f}' does not exist")
+    if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
+        raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(files.values())}")
+    suffix = next(iter(suffixes))
+    kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
+    try:
+        ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TfmError(f"could not read {', '.join(files.values())}: {first}") from None
+    return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()))
+
+
+def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str):
+    out: dict[str, RawSplit] = {}
+    label_names = DEFAULT_LABELS
+    for split in splits:
+        if split not in ds:
+            raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})")
+        d = ds[split]
+        missing = [c for c in (cfg.text_column, cfg.label_column) if c not in d.column_names]
+        if missing:
+            raise TfmError(
+                f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
+                f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column"
+            )
+        feature = d.features[cfg.label_column]
+        if hasattr(feature, "names"):
+            label_names = list(feature.names)
+        texts = d[cfg.text_column]
+        if any(not isinstance(t, str) for t in texts):
+            raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
+        out[split] = RawSplit(texts, _check_labels(d[cfg.label_column], len(label_names), split, name))
+    return out, label_names
+
+
+def _check_labels(values, num_labels: int, split: str, name: str) -> np.ndarray:
+    try:
+        labels = np.asarray(values)
+        ok = labels.ndim == 1 and labels.dtype.kind in "iub"
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise TfmError(f"labels of split '{split}' of '{name}' must be integers 0..{num_labels - 1}")
+    labels = labels.astype(np.int64)
+    bad = labels[(labels < 0) | (labels >= num_labels)]
+    if bad.size:
+        raise TfmError(
+            f"split '{split}' of '{name}' has label {bad[0]}; labels must be in 0..{num_labels - 1} (0 = neg, 1 = pos)"
+        )
+    return labels
+
+
+_ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+
+
+def _from_acl_folder(root: Path, splits: tuple[str, ...]):
+    out = {}
+    for split in splits:
+        if split not in ("train", "test"):
+            raise UsageError(f"the aclImdb folder has only 'train' and 'test' splits, not '{split}'")
+        texts, labels = [], []
+        for label, sub in enumerate(("neg", "pos")):
+            for f in sorted((root / split / sub).glob("*.txt")):
+                texts.append(f.read_text(encoding="utf-8", errors="replace"))
+                labels.append(label)
+        if not texts:
+            raise TfmError(f"'{root / split}' holds no reviews (expected pos/*.txt and neg/*.txt)")
+        out[split] = RawSplit(texts, np.array(labels, dtype=np.int64))
+    return out, DEFAULT_LABELS
+
+
+def _from_acl_tarball(path: Path, splits: tuple[str, ...]):
+    found: dict[str, list[tuple[int, str, str]]] = {s: [] for s in splits}
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                m = _ACL_NAME.search(member.name)
+                if m and member.isfile() and m.group(1) in found:
+                    text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                    found[m.group(1)].append((int(m.group(2) == "pos"), member.name, text))
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise TfmError(f"could not read '{path}': {e}") from None
+    out = {}
+    for split, rows in found.items():
+        if not rows:
+            raise TfmError(f"'{path}' has no aclImdb/{split}/pos|neg/*.txt reviews")
+        rows.sort()
+        out[split] = RawSplit([r[2] for r in rows], np.array([r[0] for r in rows], dtype=np.int64))
+    return out, DEFAULT_LABELS
+
+
+def stratified_split(labels: np.ndarray, val_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train/validation indices with the same label proportions in both."""
+    rng = np.random.default_rng(seed)
+    train, val = [], []
+    for label in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == label))
+        n_val = int(round(len(idx) * val_size))
+        val.append(idx[:n_val])
+        train.append(idx[n_val:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    d = cfg.cache_dir or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli"
+    return Path(d).expanduser()
+
+
+def _key(*parts) -> str:
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def train_tokenizer(texts: list[str], cfg: DataConfig):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
+    if cfg.lowercase:
+        norm.append(normalizers.Lowercase())
+    if cfg.tokenizer == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2)
+        tok.decoder = decoders.WordPiece()
+    else:
+        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2)
+        tok.decoder = decoders.BPEDecoder()
+    tok.normalizer = normalizers.Sequence(norm)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
+    """Train the tokenizer on the training texts, or load it from the cache."""
+    from tokenizers import Tokenizer
+
+    path = cache_dir(cfg) / f"tokenizer-{_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, 2)}.json"
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
+    tok = train_tokenizer(train.texts, cfg)
+    from transformer_cli.checkpoint import atomic_write_text
+
+    try:
+        atomic_write_text(path, tok.to_str())
+    except OSError:
+        pass  # caching is an optimisation; a read-only cache dir must not stop training
+    return tok
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) -> list[int]:
+    if len(ids) <= limit:
+        return ids
+    if strategy == "head":
+        return ids[:limit]
+    head = int(round(limit * head_fraction))
+    return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
+def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
+    """(flat ids, offsets): each text as [CLS] + its truncated subword ids."""
+    rows = [
+        [CLS_ID] + truncate(e.ids, max_length - 1, truncation, head_fraction)
+        for e in tokenizer.encode_batch(texts, add_special_tokens=False)
+    ]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    ids = np.fromiter((i for r in rows for i in r), dtype=np.int32, count=int(offsets[-1]))
+    return ids, offsets
+
+
+def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
+    key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction)
+    path = cache_dir(cfg) / f"encoded-{key}.npz"
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if len(z["offsets"]) == len(raw) + 1:
+                    return Encoded(z["ids"], z["offsets"], raw.labels)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is rebuilt below
+    ids, offsets = encode_texts(tokenizer, raw.texts, cfg.max_length, cfg.truncation, cfg.head_fraction)
+    from transformer_cli.checkpoint import atomic_write_bytes
+
+    try:
+        import io
+
+        buf = io.BytesIO()
+        np.savez(buf, ids=ids, offsets=offsets)
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError:
+        pass
+    return Encoded(ids, offsets, raw.labels)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+class BucketSampler:
+    """Seeded, length-bucketed batches of indices, one list per epoch.
+
+    Each epoch shuffles all examples, sorts windows of `bucket_batches` batches by length (so a batch
+    holds reviews of similar length and little padding), and shuffles the batch order. With
+    `world_size > 1`, each global batch is split into equal contiguous slices, one per rank; a
+    trailing batch that cannot be split evenly is dropped so that every rank runs the same steps.
+    """
+
+    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, shuffle: bool = True,
+                 world_size: int = 1, rank: int = 0, bucket_batches: int = 50):
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.world_size = world_size
+        self.rank = rank
+        self.bucket_batches = bucket_batches
+
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        n = len(self.lengths)
+        if not self.shuffle:
+            order = np.argsort(self.lengths, kind="stable")
+            return [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(n)
+        window = self.batch_size * self.bucket_batches
+        batches = []
+        for start in range(0, n, window):
+            chunk = order[start : start + window]
+            chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
+            batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        return [batches[i] for i in rng.permutation(len(batches))]
+
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        if self.world_size == 1:
+            return self.global_batches(epoch)
+        out = []
+        for b in self.global_batches(epoch):
+            if len(b) % self.world_size == 0:
+                per = len(b) // self.world_size
+                out.append(b[self.rank * per : (self.rank + 1) * per])
+        return out
+
+    def __len__(self) -> int:
+        return len(self.batches(0))
+
+
+def collate(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids (B, T) int64 padded with [PAD], mask (B, T) bool, labels (B,))."""
+    lengths = enc.lengths[idx]
+    ids = np.full((len(idx), int(lengths.max())), PAD_ID, dtype=np.int64)
+    for row, (i, n) in enumerate(zip(idx, lengths)):
+        ids[row, :n] = enc.ids[enc.offsets[i] : enc.offsets[i] + n]
+    mask = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+    return ids, mask, enc.labels[idx]
+
+
+def iter_eval_batches(enc: Encoded, batch_size: int) -> Iterator[tuple[np.ndarray, tuple]]:
+    """Length-sorted batches for inference: yields (indices, collated batch)."""
+    order = np.argsort(enc.lengths, kind="stable")
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        yield idx, collate(enc, idx)
+
+
+# --------------------------------------------------------------------------- the whole pipeline
+
+
+@dataclass
+class Prepared:
+    tokenizer: object
+    labels: list[str]
+    train: Encoded
+    val: Encoded
+
+
+def _sample(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
+    """A seeded random subset of n indices, in their original order (datasets are often label-sorted)."""
+    if n is None or n >= len(idx):
+        return idx
+    return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
+
+
+def prepare_train_data(cfg: DataConfig, seed: int) -> Prepared:
+    """Load train, hold out a stratified validation split, train the tokenizer, encode both."""
+    raw, label_names = load_splits(cfg, ("train",))
+    full = raw["train"]
+    if len(full) < 2:
+        raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")
+    if len(np.unique(full.labels)) < 2:
+        raise TfmError(f"the train split of '{cfg.source}' has only one label; need examples of both classes")
+    train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed)
+    if len(val_idx) == 0 or len(train_idx) == 0:
+        raise TfmError(f"data.val_size = {cfg.val_size} leaves an empty train or validation split of {len(full)} examples")
+    train_idx = _sample(train_idx, cfg.max_train_samples, seed)
+    val_idx = _sample(val_idx, cfg.max_eval_samples, seed)
+    train_raw, val_raw = full.subset(train_idx), full.subset(val_idx)
+    train_fp = train_raw.fingerprint()
+    tok = cached_tokenizer(train_raw, cfg, train_fp)
+    return Prepared(
+        tokenizer=tok,
+        labels=label_names,
+        train=cached_encode(tok, train_raw, cfg, train_fp),
+        val=cached_encode(tok, val_raw, cfg, val_raw.fingerprint()),
+    )
+
+
+def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int | None) -> Encoded:
+    raw, _ = load_splits(cfg, (split,))
+    data = raw[split]
+    if max_samples is not None:
+        data = data.subset(_sample(np.arange(len(data)), max_samples, seed=0))
+    if len(data) == 0:
+        raise TfmError(f"split '{split}' of '{cfg.source}' is empty")
+    return cached_encode(tokenizer, data, cfg, data.fingerprint())

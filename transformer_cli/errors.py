@@ -1,0 +1,11 @@
+"""The one error type library code raises; the CLI turns it into one line on stderr."""
+
+
+class TfmError(Exception):
+    """A problem the user can fix. ``exit_code`` 1 = runtime error, 2 = usage error."""
+
+    exit_code = 1
+
+
+class UsageError(TfmError):
+    exit_code = 2

@@ -1,0 +1,160 @@
+"""The CTransformer classifier, from scratch: attention -> block -> encoder -> classifier.
+
+Shapes: B batch, T tokens, C = d_model, H heads, Dh = C // H head size.
+`mask` is a (B, T) bool tensor, True at real tokens; every sequence has at least one (its [CLS]).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_cli.config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # fused Q, K, V projections
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+        self.attn_dropout = cfg.attn_dropout
+        self.fused = cfg.attention in ("auto", "sdpa")
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        key_mask = mask[:, None, None, :]  # (B, 1, 1, T): padding keys get no attention
+        p = self.attn_dropout if self.training else 0.0
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)
+        else:
+            y = explicit_attention(q, k, v, key_mask, p)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads merged
+        return F.dropout(self.proj(y), self.dropout, self.training)
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, dropout: float = 0.0
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh)) v with padding keys masked out; the reference for the fused path."""
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, H, T, T)
+    att = att.masked_fill(~key_mask, float("-inf")).softmax(dim=-1)
+    att = F.dropout(att, dropout, dropout > 0)
+    return att @ v  # (B, H, T, Dh)
+
+
+class Block(nn.Module):
+    """Self-attention and a feed-forward layer, each with a residual and LayerNorm (post or pre)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.attn = SelfAttention(cfg)
+        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.ff = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.ff_mult * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(cfg.ff_mult * cfg.d_model, cfg.d_model),
+        )
+        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.norm1(x), mask)
+            return x + F.dropout(self.ff(self.norm2(x)), self.dropout, self.training)
+        x = self.norm1(x + self.attn(x, mask))
+        return self.norm2(x + F.dropout(self.ff(x), self.dropout, self.training))
+
+
+class Encoder(nn.Module):
+    """Token + position embeddings and the stack of blocks: (B, T) ids -> (B, T, C) states.
+
+    Kept apart from the classifier so that other heads (e.g. masked-LM pretraining) can share it.
+    """
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
+        if cfg.pos_emb == "learned":
+            self.pos_emb = nn.Embedding(max_length, cfg.d_model)
+        else:
+            self.register_buffer("pos_table", sinusoidal_table(max_length, cfg.d_model), persistent=False)
+            self.pos_emb = None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.max_length = max_length
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        T = ids.size(1)
+        if T > self.max_length:
+            raise ValueError(f"sequence of {T} tokens is longer than max_length {self.max_length}")
+        pos = self.pos_emb.weight[:T] if self.pos_emb is not None else self.pos_table[:T]  # (T, C)
+        x = self.drop(self.tok_emb(ids) + pos)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+
+def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
+    pos = torch.arange(length, dtype=torch.float32)[:, None]  # (T, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq[: dim // 2])
+    return table  # (T, C)
+
+
+def pool(h: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """(B, T, C) states -> (B, C), ignoring padding positions."""
+    if how == "first":
+        return h[:, 0]
+    m = mask.unsqueeze(-1)  # (B, T, 1)
+    if how == "max":
+        return h.masked_fill(~m, float("-inf")).amax(dim=1)
+    return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1).to(h.dtype)
+
+
+class CTransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, num_labels: int = 2):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg, vocab_size, max_length)
+        self.head = nn.Linear(cfg.d_model, num_labels)
+        self.apply(self._init_weights)
+        # GPT-2 style: shrink the projections that write into the residual stream with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "ff.2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(ids, mask)  # (B, T, C)
+        return self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels) logits
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices (linear and embedding weights) only, not biases or norms."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
