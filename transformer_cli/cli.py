@@ -91,6 +91,8 @@ def train(
         return run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
 
     metrics = _run(go)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return
     val = metrics.get("val", {})
     line = f"done: best val accuracy {val.get('accuracy', float('nan')):.4f} at step {metrics['best_step']}"
     if "test" in metrics:

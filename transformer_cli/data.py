@@ -150,10 +150,11 @@ def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str):
         feature = d.features[cfg.label_column]
         if hasattr(feature, "names"):
             label_names = list(feature.names)
-        texts = d[cfg.text_column]
+        columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
+        texts = columns[cfg.text_column]
         if any(not isinstance(t, str) for t in texts):
             raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
-        out[split] = RawSplit(texts, _check_labels(d[cfg.label_column], len(label_names), split, name))
+        out[split] = RawSplit(texts, _check_labels(columns[cfg.label_column], len(label_names), split, name))
     return out, label_names
 
 

@@ -356,8 +356,10 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 run.scaler.unscale_(run.optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
                 finite = math.isfinite(loss_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
-                if rt.distributed:  # every rank must take the same decision
-                    finite = run.rt.all_sum([float(not finite)])[0] == 0
+                stopping = stop.signum is not None
+                if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
+                    bad, stops = rt.all_sum([float(not finite), float(stopping)])
+                    finite, stopping = bad == 0, stops > 0
                 if finite:
                     run.scaler.step(run.optimizer)
                     st.bad_steps_in_row = 0
@@ -389,9 +391,9 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 st.train_time_sec = time.perf_counter() - t_start
                 if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 and not epoch_done:
                     save_checkpoint(run)
-                if stop.signum is not None:
+                if stopping:
                     where = save_checkpoint(run)
-                    raise Interrupted(stop.signum, where or run.out)
+                    raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
             if st.batch_in_epoch == len(groups):
                 st.epoch += 1
                 st.batch_in_epoch = 0

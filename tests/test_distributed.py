@@ -1,0 +1,57 @@
+"""torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+
+def _train(args: list[str], out: Path, env: dict, nproc: int) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    cmd = [*launcher, "-m", "transformer_cli", "train", *args, "-o", str(out), "--no-progress"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_two_processes_equal_one_with_the_same_global_batch(synthetic_data_dir, tmp_path, accum):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--config", "configs/tiny.toml", "--data", str(synthetic_data_dir), "--epochs", "1",
+            "--seed", "5", f"train.grad_accum_steps={accum}", "train.checkpoint_every=7"]
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    r2 = _train(args, ddp, env, nproc=2)
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    r1 = _train(args, single, env, nproc=1)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+
+    # One set of outputs, written once (rank 0), and one summary line.
+    assert len(list(ddp.glob("events.out.tfevents.*"))) == 1
+    assert r2.stdout.count("done:") == 1
+
+    a, b = load_file(ddp / "model.safetensors"), load_file(single / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:  # same data, same global batches: equal up to float reduction order
+        assert (a[k] - b[k]).abs().max().item() < 1e-3, k
+
+    # Validation is reduced over ranks: the same examples give the same figures.
+    m2, m1 = (json.loads((d / "metrics.json").read_text()) for d in (ddp, single))
+    assert m2["world_size"] == 2 and m1["world_size"] == 1
+    assert m2["val"]["num_examples"] == m1["val"]["num_examples"]
+    assert m2["val"]["confusion_matrix"] == m1["val"]["confusion_matrix"]
+    assert m2["val"]["loss"] == pytest.approx(m1["val"]["loss"], rel=1e-4)
+    assert m2["steps"] == m1["steps"]
+
+
+def test_resume_with_another_world_size_is_refused(synthetic_data_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    args = ["--config", "configs/tiny.toml", "--data", str(synthetic_data_dir), "--max-steps", "3"]
+    assert _train(args, out, env, nproc=2).returncode == 0
+    r = _train([*args, "--max-steps", "6", "--resume"], out, env, nproc=1)
+    assert r.returncode == 2
+    assert "world size: 2 -> 1" in r.stderr
+    assert "Traceback" not in r.stderr
