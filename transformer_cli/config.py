@@ -188,9 +188,9 @@ class TrainConfig(_Section):
         for name in ("max_steps", "eval_every", "checkpoint_every", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
-        if self.lr <= 0:
+        if not self.lr > 0:
             self._fail("lr", "must be positive")
-        if self.weight_decay < 0:
+        if not self.weight_decay >= 0:
             self._fail("weight_decay", "must be non-negative")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
@@ -201,7 +201,7 @@ class TrainConfig(_Section):
             self._fail("warmup_ratio", "must be in [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             self._fail("min_lr_ratio", "must be in [0, 1]")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0:
             self._fail("grad_clip", "must be non-negative (0 disables clipping)")
         if not 0.0 <= self.label_smoothing < 1.0:
             self._fail("label_smoothing", "must be in [0, 1)")
@@ -222,11 +222,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
-        for key, value in d.items():
-            if key not in SECTIONS:
-                raise UsageError(f"unknown config section '{key}'; valid sections: model, data, train")
-            if not isinstance(value, dict):
-                raise UsageError(f"config section '{key}' must be a table of keys")
+        _check_sections(d)
         return cls(**{k: SECTIONS[k].from_dict(d.get(k, {})) for k in SECTIONS})
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,6 +236,14 @@ class Config:
         return Config.from_dict(d)
 
 
+def _check_sections(d: dict[str, Any]) -> None:
+    for key, value in d.items():
+        if key not in SECTIONS:
+            raise UsageError(f"unknown config section '{key}'; valid sections: model, data, train")
+        if not isinstance(value, dict):
+            raise UsageError(f"config key '{key}' must be a [{key}] table; put fields under [model], [data] or [train]")
+
+
 def parse_value(text: str) -> Any:
     """A command-line value in TOML syntax (`3`, `1e-4`, `true`, `"x"`); bare words are strings."""
     try:
@@ -250,6 +254,7 @@ def parse_value(text: str) -> Any:
 
 def apply_overrides(d: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted keys (`train.lr`) in a nested config dict; returns a new dict."""
+    _check_sections(d)
     out = {k: dict(v) for k, v in d.items()}
     for key, value in overrides.items():
         section, _, name = key.partition(".")

@@ -246,11 +246,13 @@ def train_tokenizer(texts: list[str], cfg: DataConfig):
         norm.append(normalizers.Lowercase())
     if cfg.tokenizer == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2)
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                             show_progress=False)
         tok.decoder = decoders.WordPiece()
     else:
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2)
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+                                             show_progress=False)
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()

@@ -104,6 +104,7 @@ class TrainState:
     bad_steps_in_row: int = 0
     bad_steps_total: int = 0
     train_time_sec: float = 0.0
+    samples_seen: int = 0
 
 
 @dataclass
@@ -160,7 +161,9 @@ def _set_rng_state(json_part: dict, tensors: dict) -> None:
 def _check_output_dir(out: Path, resume: bool | str) -> None:
     if resume:
         return
-    if (out / ckpt.CONFIG_FILE).exists() or (out / ckpt.CKPT_DIR).exists() or (out / ckpt.MODEL_FILE).exists():
+    # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
+    # a run that died then has nothing to lose, so it may be started again in the same folder.
+    if ckpt.checkpoint_dirs(out) or (out / ckpt.MODEL_FILE).exists() or (out / ckpt.METRICS_FILE).exists():
         raise UsageError(
             f"output directory '{out}' already holds a run; pass --resume to continue it or choose another --output-dir"
         )
@@ -327,6 +330,10 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     if total == 0:
         raise TfmError(f"{len(run.train)} training examples make no full batch of {tc.batch_size}; lower --batch-size")
     bar = None
+    if rt.is_main:
+        _say(f"training {len(run.train)} reviews ({len(run.val)} validation) for {total} steps; batch {tc.batch_size} = "
+             f"{micro} x {rt.world_size} process(es) x {tc.grad_accum_steps} accumulation; {rt.device}, {rt.precision}",
+             progress)
     if progress and rt.is_main:
         from tqdm.auto import tqdm
 
@@ -381,6 +388,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     window["loss"] += loss_sum
                     window["steps"] += 1
                 window["samples"] += n_samples
+                st.samples_seen += n_samples
                 if bar is not None:
                     bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == total:
@@ -404,9 +412,17 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
         bar.close()
 
 
+def _say(message: str, progress: bool) -> None:
+    if progress:
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
+
+
 def _log_train(window: dict, st: TrainState, lr: float, grad_norm: float, logger: Logger, bar, run: Run) -> None:
     elapsed = time.perf_counter() - window["t0"]
-    values = {"train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": st.epoch}
+    values = {"train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": st.epoch,
+              "train/batch_size": run.cfg.train.batch_size}
     if window["steps"]:
         values["train/loss"] = window["loss"] / window["steps"]
     if elapsed > 0:
@@ -457,6 +473,7 @@ def finish(run: Run, logger: Logger) -> dict:
         "steps": st.step,
         "epochs": st.epoch,
         "train_time_sec": st.train_time_sec,
+        "samples_per_sec": st.samples_seen / st.train_time_sec if st.train_time_sec > 0 else 0.0,
         "bad_steps": st.bad_steps_total,
         "precision": run.rt.precision,
         "device": str(run.rt.device),

@@ -1,0 +1,190 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CONFIGS, REPO
+from typer.testing import CliRunner
+
+from transformer_cli.cli import app
+
+runner = CliRunner()  # click >= 8.2 keeps result.stdout and result.stderr apart
+
+POSITIVE_TEXT = "Great wonderful film, I loved it. Superb!"
+NEGATIVE_TEXT = "An awful, boring movie. I hated it, terrible."
+
+
+def tfm(*args, input: str | bytes | None = None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, cwd=REPO,
+                          timeout=120, env=None if env is None else {**os.environ, **env})
+
+
+def assert_fails_cleanly(result, code: int, *fragments: str) -> None:
+    """Exit `code` with one line on stderr naming the problem, and no traceback."""
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tfm: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def json_lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.strip().splitlines()]
+
+
+# --------------------------------------------------------------------------- the program
+
+
+def test_help_lists_the_commands():
+    r = python("-m", "transformer_cli", "--help")
+    assert r.returncode == 0, r.stderr
+    for command in ("train", "predict", "evaluate"):
+        assert command in r.stdout
+
+
+def test_importing_the_cli_does_not_import_torch():
+    r = python("-c", "import sys, transformer_cli.cli; assert 'torch' not in sys.modules, 'torch imported'")
+    assert r.returncode == 0, r.stderr
+
+
+def test_train_without_progress_prints_only_the_summary_line(synthetic_data_dir, tmp_path):
+    # A fresh cache, so that the tokenizer is trained in this process (and can't print anything).
+    r = python("-m", "transformer_cli", "train", "--config", str(CONFIGS / "tiny.toml"), "--data",
+               str(synthetic_data_dir), "-o", str(tmp_path / "run"), "--no-progress", "--epochs", "1",
+               env={"TFM_CACHE": str(tmp_path / "cache")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("done: best val accuracy") and r.stdout.count("\n") == 1, repr(r.stdout)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def cli_run(synthetic_data_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "run"
+    r = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", synthetic_data_dir, "-o", out, "--test")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.startswith("done: best val accuracy")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert f"{metrics['val']['accuracy']:.4f}" in r.stdout
+    assert f"test accuracy {metrics['test']['accuracy']:.4f}" in r.stdout
+    return out
+
+
+def test_predict_prints_label_and_probability(cli_run):
+    r = tfm("predict", "-c", cli_run, POSITIVE_TEXT, NEGATIVE_TEXT)
+    assert r.exit_code == 0, r.stderr
+    lines = [line.split("\t") for line in r.stdout.strip().splitlines()]
+    assert [(label, text) for label, _, text in lines] == [("pos", POSITIVE_TEXT), ("neg", NEGATIVE_TEXT)]
+    assert all(0.5 <= float(score) <= 1.0 for _, score, _ in lines)
+
+
+def test_predict_json(cli_run):
+    texts = [POSITIVE_TEXT, NEGATIVE_TEXT, "the plot"]
+    r = tfm("predict", "-c", cli_run, "--json", *texts)
+    assert r.exit_code == 0, r.stderr
+    results = json_lines(r.stdout)
+    assert len(results) == len(texts)
+    for result in results:
+        assert set(result) == {"label", "score", "probabilities"}
+        assert set(result["probabilities"]) == {"neg", "pos"}
+        assert sum(result["probabilities"].values()) == pytest.approx(1.0)
+        assert result["score"] == max(result["probabilities"].values())
+        assert result["probabilities"][result["label"]] == result["score"]
+    assert [r["label"] for r in results[:2]] == ["pos", "neg"]
+
+
+@pytest.fixture
+def review_lines(test_rows) -> list[str]:
+    return [r["text"] for r in test_rows[:12]]
+
+
+@pytest.mark.parametrize("source", ["path", "stdin"])
+def test_predict_reads_a_file_in_order(cli_run, review_lines, tmp_path, source):
+    expected = json_lines(tfm("predict", "-c", cli_run, "--json", *review_lines).stdout)
+    content = "\n".join(review_lines) + "\n"
+    if source == "path":
+        path = tmp_path / "reviews.txt"
+        path.write_text(content, encoding="utf-8")
+        r = tfm("predict", "-c", cli_run, "--json", "--file", path)
+    else:
+        r = tfm("predict", "-c", cli_run, "--json", "--file", "-", input=content)
+    assert r.exit_code == 0, r.stderr
+    got = json_lines(r.stdout)
+    assert [g["label"] for g in got] == [e["label"] for e in expected]
+    assert [g["score"] for g in got] == pytest.approx([e["score"] for e in expected], abs=1e-6)
+
+
+def test_predict_reads_latin1_with_a_warning(cli_run, tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("Un film superbe, great et wonderful. Très bien\n".encode("latin-1"))
+    r = tfm("predict", "-c", cli_run, "--file", path)
+    assert r.exit_code == 0, r.stderr
+    assert "warning" in r.stderr and "Latin-1" in r.stderr
+    assert len(r.stdout.strip().splitlines()) == 1
+    assert "Très bien" in r.stdout
+
+
+def test_evaluate_json(cli_run, test_rows):
+    r = tfm("evaluate", "-c", cli_run, "--json")
+    assert r.exit_code == 0, r.stderr
+    (m,) = json_lines(r.stdout)
+    assert {"accuracy", "precision", "recall", "f1", "loss", "confusion_matrix", "num_examples"} <= m.keys()
+    assert m["num_examples"] == len(test_rows) == sum(map(sum, m["confusion_matrix"]))
+    (tn, _), (_, tp) = m["confusion_matrix"]
+    assert m["accuracy"] == pytest.approx((tn + tp) / len(test_rows))
+    at_training_end = json.loads((cli_run / "metrics.json").read_text())["test"]  # same model, same split
+    assert m["confusion_matrix"] == at_training_end["confusion_matrix"]
+    assert m["loss"] == pytest.approx(at_training_end["loss"], rel=1e-6)
+
+
+def test_evaluate_text_report(cli_run):
+    r = tfm("evaluate", "-c", cli_run)
+    assert r.exit_code == 0, r.stderr
+    for key in ("accuracy", "precision", "recall", "f1", "loss", "confusion"):
+        assert key in r.stdout
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_predict_with_a_missing_checkpoint_fails_cleanly(tmp_path):
+    assert_fails_cleanly(tfm("predict", "-c", tmp_path / "nope", "good"), 1, "does not exist")
+
+
+@pytest.mark.parametrize(
+    ("make_args", "fragment"),
+    [
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, ""], "empty"),
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, "--file", tmp], "directory"),
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, "--file", tmp / "missing.txt"], "does not exist"),
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, "--file", "-", "text"], "not both"),
+        (lambda ckpt, tmp: ["train", "-o", tmp / "out", "lr=3"], "SECTION.FIELD"),
+        (lambda ckpt, tmp: ["train", "-o", tmp / "out", "not-an-override"], "not-an-override"),
+        (lambda ckpt, tmp: ["train", "-o", tmp / "out", "model.nope=1"], "model.nope"),
+        (lambda ckpt, tmp: ["train", "-o", tmp / "out", "train.lr=-1"], "train.lr"),
+    ],
+    ids=["empty-text", "file-is-dir", "file-missing", "text-and-file", "override-no-section",
+         "override-no-equals", "unknown-key", "invalid-value"],
+)
+def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
+    assert_fails_cleanly(tfm(*make_args(cli_run, tmp_path)), 2, fragment)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("content", "fragment"), [
+    ("[model]\nd_model = 16\nheads = 2\n", "model.heads"),
+    ("epochs = 3\n[model]\nd_model = 16\n", "epochs"),  # a key outside any [section]
+], ids=["in-section", "top-level"])
+def test_unknown_key_in_a_config_file_exits_2(tmp_path, content, fragment):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    assert_fails_cleanly(tfm("train", "--config", path, "-o", tmp_path / "out"), 2, fragment)

@@ -1,0 +1,185 @@
+import dataclasses
+import json
+
+import pytest
+import tomllib
+from conftest import CONFIGS
+
+from transformer_cli.config import (
+    Config,
+    ModelConfig,
+    apply_overrides,
+    load_config,
+    parse_overrides,
+    parse_value,
+)
+from transformer_cli.errors import UsageError
+
+CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
+
+
+def test_defaults_build_and_equal_an_empty_dict():
+    cfg = Config()
+    assert set(cfg.to_dict()) == {"model", "data", "train"}
+    assert Config.from_dict({}) == cfg
+    assert load_config() == cfg
+
+
+def test_configs_folder_is_not_empty():
+    assert CONFIG_FILES, f"no .toml files in {CONFIGS}"
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_parses_and_applies_its_values(path):
+    cfg = load_config(path).to_dict()
+    written = tomllib.loads(path.read_text(encoding="utf-8"))
+    for section, values in written.items():
+        for key, value in values.items():
+            assert cfg[section][key] == value, f"{path.name}: {section}.{key}"
+
+
+def test_base_toml_documents_the_built_in_defaults():
+    base = CONFIGS / "base.toml"
+    if not base.is_file():
+        pytest.skip("configs/base.toml does not exist")
+    assert load_config(base).to_dict() == Config().to_dict()
+
+
+@pytest.mark.parametrize(
+    ("d", "expected"),
+    [
+        ({"model": {"d_model": 100, "n_heads": 8}}, ["model.d_model", "100", "n_heads"]),
+        ({"train": {"lr": -0.001}}, ["train.lr", "-0.001"]),
+        ({"model": {"dropout": 1.0}}, ["model.dropout", "1.0"]),
+        ({"model": {"dropout": -0.1}}, ["model.dropout", "-0.1"]),
+        ({"model": {"d_modle": 64}}, ["model.d_modle"]),
+        ({"optim": {"lr": 0.1}}, ["optim"]),
+        ({"model": {"n_layers": "3"}}, ["model.n_layers", "'3'"]),
+        ({"model": {"n_layers": True}}, ["model.n_layers", "True"]),
+        ({"train": {"epochs": 2.5}}, ["train.epochs", "2.5"]),
+        ({"data": {"val_size": 0.0}}, ["data.val_size", "0.0"]),
+        ({"data": {"val_size": 1.0}}, ["data.val_size", "1.0"]),
+        ({"data": {"val_size": 1.5}}, ["data.val_size", "1.5"]),
+        ({"model": {"pooling": "sum"}}, ["model.pooling", "'sum'"]),
+        ({"train": {"lr": float("nan")}}, ["train.lr", "nan"]),
+        ({"train": {"weight_decay": float("nan")}}, ["train.weight_decay", "nan"]),
+        ({"train": {"grad_clip": float("nan")}}, ["train.grad_clip", "nan"]),
+    ],
+    ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
+         "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan"],
+)
+def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
+    with pytest.raises(UsageError) as e:
+        Config.from_dict(d)
+    for part in expected:
+        assert part in str(e.value)
+
+
+def test_section_must_be_a_table():
+    with pytest.raises(UsageError, match="model"):
+        Config.from_dict({"model": 3})
+
+
+@pytest.mark.parametrize("top_level", ["epochs = 3", 'source = "x"'])
+def test_a_key_outside_any_section_of_a_config_file_is_a_usage_error(tmp_path, top_level):
+    path = tmp_path / "c.toml"
+    path.write_text(f"{top_level}\n[model]\nd_model = 16\nn_heads = 2\n")
+    with pytest.raises(UsageError, match=top_level.split()[0]):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("section", "field", "value"),
+                         [("train", "lr", 1), ("train", "weight_decay", 0), ("model", "dropout", 0)])
+def test_int_for_a_float_field_becomes_float(section, field, value):
+    got = getattr(getattr(Config.from_dict({section: {field: value}}), section), field)
+    assert type(got) is float and got == value
+
+
+def test_int_override_for_a_float_field_becomes_float():
+    lr = load_config(None, parse_overrides(["train.lr=1"])).train.lr
+    assert type(lr) is float and lr == 1.0
+
+
+@pytest.mark.parametrize(
+    ("item", "key", "value"),
+    [
+        ("train.lr=3e-4", "train.lr", 3e-4),
+        ("data.source=../x", "data.source", "../x"),
+        ('data.source="a b"', "data.source", "a b"),
+        ("model.n_layers=4", "model.n_layers", 4),
+        ("train.compile=true", "train.compile", True),
+        (" train.seed = 7 ", "train.seed", 7),
+    ],
+)
+def test_parse_overrides_uses_toml_values_and_bare_strings(item, key, value):
+    parsed = parse_overrides([item])
+    assert parsed == {key: value}
+    assert type(parsed[key]) is type(value)
+
+
+def test_parse_value_keeps_unparseable_text():
+    assert parse_value("stanfordnlp/imdb") == "stanfordnlp/imdb"
+
+
+@pytest.mark.parametrize("item", ["train.lr", "=3", "", "train.lr 3"])
+def test_bad_override_forms_raise(item):
+    with pytest.raises(UsageError):
+        parse_overrides([item])
+
+
+@pytest.mark.parametrize("key", ["lr", "train.lr.x", "optim.lr", ".lr"])
+def test_bad_override_keys_raise(key):
+    with pytest.raises(UsageError) as e:
+        apply_overrides({}, {key: 1})
+    assert key in str(e.value)
+
+
+def test_overrides_reach_the_config_and_leave_the_input_alone():
+    d = {"train": {"lr": 0.1}}
+    cfg = load_config(None, {"train.lr": 0.2, "model.n_layers": 5})
+    assert (cfg.train.lr, cfg.model.n_layers) == (0.2, 5)
+    apply_overrides(d, {"train.lr": 0.3})
+    assert d == {"train": {"lr": 0.1}}
+
+
+def test_override_of_an_unknown_field_raises():
+    with pytest.raises(UsageError, match="model.n_layer"):
+        load_config(None, parse_overrides(["model.n_layer=2"]))
+
+
+def test_replace_changes_only_the_given_fields_and_validates():
+    cfg = Config()
+    new = cfg.replace(train={"lr": 1e-3}, model={"n_layers": 1})
+    assert (new.train.lr, new.model.n_layers) == (1e-3, 1)
+    assert cfg.train.lr == Config().train.lr  # the original is untouched
+    expected = cfg.to_dict()
+    expected["train"]["lr"], expected["model"]["n_layers"] = 1e-3, 1
+    assert new.to_dict() == expected
+    with pytest.raises(UsageError, match="train.lr"):
+        cfg.replace(train={"lr": -1.0})
+    with pytest.raises(UsageError, match="train.nope"):
+        cfg.replace(train={"nope": 1})
+
+
+@pytest.mark.parametrize("path", [None, *CONFIG_FILES], ids=lambda p: "defaults" if p is None else p.name)
+def test_json_round_trip_is_identity(path):
+    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": "/tmp/x"})
+    again = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_sections_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ModelConfig().d_model = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("content", [None, "[model\nd_model = ", "DIR"])
+def test_unreadable_config_files_raise_usage_error(tmp_path, content):
+    path = tmp_path / "c.toml"
+    if content == "DIR":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(UsageError, match="c.toml"):
+        load_config(path)

@@ -1,0 +1,364 @@
+import csv
+import dataclasses
+import re
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_examples, read_jsonl, write_jsonl
+
+from transformer_cli import data as data_mod
+from transformer_cli.config import DataConfig
+from transformer_cli.data import (
+    CLS_ID,
+    PAD_ID,
+    BucketSampler,
+    Encoded,
+    collate,
+    encode_texts,
+    load_splits,
+    prepare_train_data,
+    stratified_split,
+    train_tokenizer,
+    truncate,
+)
+from transformer_cli.errors import TfmError, UsageError
+
+
+def pairs(split) -> list[tuple[str, int]]:
+    return list(zip(split.texts, split.labels.tolist()))
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"\w+|[^\w\s]", text)
+
+
+@pytest.fixture(scope="session")
+def train_texts(synthetic_data_dir) -> list[str]:
+    return [r["text"] for r in read_jsonl(synthetic_data_dir / "train.jsonl")]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(train_texts):
+    return train_tokenizer(train_texts, DataConfig(vocab_size=500))
+
+
+# --------------------------------------------------------------------------- split
+
+
+@pytest.fixture
+def imbalanced_labels() -> np.ndarray:
+    return np.random.default_rng(0).permutation(np.array([0] * 60 + [1] * 140))
+
+
+def test_stratified_split_keeps_label_proportions_and_covers_everything(imbalanced_labels):
+    train, val = stratified_split(imbalanced_labels, 0.25, seed=3)
+    assert Counter(imbalanced_labels[val].tolist()) == {0: 15, 1: 35}
+    assert Counter(imbalanced_labels[train].tolist()) == {0: 45, 1: 105}
+    assert not set(train) & set(val)
+    assert sorted([*train, *val]) == list(range(len(imbalanced_labels)))
+
+
+def test_stratified_split_is_seeded(imbalanced_labels):
+    a, b, c = (stratified_split(imbalanced_labels, 0.25, seed=s) for s in (3, 3, 4))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(a[1], c[1])
+
+
+# --------------------------------------------------------------------------- truncation and encoding
+
+
+@pytest.mark.parametrize(
+    ("n", "limit", "strategy", "head_fraction", "expected"),
+    [
+        (20, 8, "head", 0.25, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (20, 8, "head_tail", 0.25, [0, 1, 14, 15, 16, 17, 18, 19]),
+        (20, 8, "head_tail", 0.5, [0, 1, 2, 3, 16, 17, 18, 19]),
+        (20, 8, "head_tail", 0.0, [12, 13, 14, 15, 16, 17, 18, 19]),
+        (20, 8, "head_tail", 1.0, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (5, 8, "head_tail", 0.25, [0, 1, 2, 3, 4]),
+        (8, 8, "head", 0.25, [0, 1, 2, 3, 4, 5, 6, 7]),
+    ],
+)
+def test_truncate(n, limit, strategy, head_fraction, expected):
+    assert truncate(list(range(n)), limit, strategy, head_fraction) == expected
+
+
+@pytest.mark.parametrize("strategy", ["head", "head_tail"])
+def test_encode_texts_rows_start_with_cls_and_respect_max_length(tokenizer, train_texts, strategy):
+    texts = train_texts[:50]
+    max_length, head_fraction = 16, 0.25
+    ids, offsets = encode_texts(tokenizer, texts, max_length, strategy, head_fraction)
+    assert ids.dtype == np.int32 and offsets[0] == 0 and offsets[-1] == len(ids) and len(offsets) == len(texts) + 1
+    n_head = round((max_length - 1) * head_fraction)
+    truncated = 0
+    for i, text in enumerate(texts):
+        row = ids[offsets[i] : offsets[i + 1]].tolist()
+        full = tokenizer.encode(text, add_special_tokens=False).ids
+        if len(full) <= max_length - 1:
+            expected = full
+        else:
+            truncated += 1
+            keep_head = max_length - 1 if strategy == "head" else n_head
+            expected = full[:keep_head] + full[len(full) - (max_length - 1 - keep_head):]
+        assert row == [CLS_ID] + expected
+        assert len(row) <= max_length
+    assert 0 < truncated < len(texts)  # both branches were exercised
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_tokenizer_round_trip(train_texts, lowercase):
+    tok = train_tokenizer(train_texts, DataConfig(vocab_size=500, lowercase=lowercase))
+    for text in train_texts[:20]:
+        expected = re.sub(r"<br\s*/?>", " ", text)
+        expected = expected.lower() if lowercase else expected
+        decoded = tok.decode(tok.encode(text, add_special_tokens=False).ids)
+        assert "[UNK]" not in decoded
+        assert words(decoded) == words(expected)
+
+
+def test_tokenizer_reserves_the_special_ids(tokenizer):
+    assert tokenizer.token_to_id("[PAD]") == PAD_ID
+    assert tokenizer.token_to_id("[CLS]") == CLS_ID
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@pytest.fixture
+def lengths() -> np.ndarray:
+    return np.random.default_rng(0).integers(1, 65, size=1001)
+
+
+def flat(batches) -> list[int]:
+    return [int(i) for b in batches for i in b]
+
+
+def padded_tokens(batches, lengths) -> int:
+    return sum(len(b) * int(lengths[b].max()) for b in batches)
+
+
+def test_each_epoch_is_a_permutation_of_all_indices(lengths):
+    sampler = BucketSampler(lengths, 16, seed=1)
+    for epoch in range(3):
+        batches = sampler.batches(epoch)
+        assert sorted(flat(batches)) == list(range(len(lengths)))
+        assert all(1 <= len(b) <= 16 for b in batches)
+    assert len(sampler) == len(sampler.batches(0))
+
+
+def test_bucketing_reduces_padding_against_random_batches(lengths):
+    bucketed = BucketSampler(lengths, 16, seed=1).batches(0)
+    order = np.random.default_rng(1).permutation(len(lengths))
+    random_batches = [order[i : i + 16] for i in range(0, len(order), 16)]
+    assert padded_tokens(bucketed, lengths) < 0.8 * padded_tokens(random_batches, lengths)
+
+
+def test_batches_are_seeded_by_seed_and_epoch(lengths):
+    def run(seed, epoch):
+        return flat(BucketSampler(lengths, 16, seed=seed).batches(epoch))
+
+    assert run(1, 0) == run(1, 0)
+    assert run(1, 0) != run(1, 1)
+    assert run(1, 0) != run(2, 0)
+
+
+def test_ranks_split_each_global_batch_evenly(lengths):
+    global_batches = BucketSampler(lengths, 16, seed=1).global_batches(2)
+    ranks = [BucketSampler(lengths, 16, seed=1, world_size=2, rank=r).batches(2) for r in (0, 1)]
+    even = [b for b in global_batches if len(b) % 2 == 0]
+    assert len(even) < len(global_batches)  # 1001 examples: one odd trailing batch is dropped
+    assert len(ranks[0]) == len(ranks[1]) == len(even)
+    for a, b, g in zip(*ranks, even):
+        assert len(a) == len(b) and not set(a) & set(b)
+        assert sorted([*a, *b]) == sorted(g)
+    seen = flat(ranks[0]) + flat(ranks[1])
+    assert len(seen) == len(set(seen))
+
+
+def test_unshuffled_batches_are_length_sorted(lengths):
+    batches = BucketSampler(lengths, 16, seed=1, shuffle=False).batches(0)
+    order = flat(batches)
+    assert sorted(order) == list(range(len(lengths)))
+    assert np.all(np.diff(lengths[order]) >= 0)
+
+
+def test_collate_pads_with_pad_id_and_masks_real_tokens():
+    rows = [[CLS_ID, 7, 8], [CLS_ID], [CLS_ID, 5, 6, 9, 11]]
+    offsets = np.cumsum([0, *map(len, rows)])
+    enc = Encoded(np.array([t for r in rows for t in r], dtype=np.int32), offsets, np.array([1, 0, 1]))
+    idx = np.array([2, 0, 1])
+    ids, mask, labels = collate(enc, idx)
+    assert ids.shape == mask.shape == (3, 5)
+    for out_row, i in enumerate(idx):
+        n = len(rows[i])
+        assert ids[out_row, :n].tolist() == rows[i]
+        assert (ids[out_row, n:] == PAD_ID).all()
+        assert mask[out_row].tolist() == [True] * n + [False] * (5 - n)
+    assert labels.tolist() == [1, 1, 0]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def cfg_for(source) -> DataConfig:
+    return DataConfig(source=str(source))
+
+
+def write_csv(path: Path, rows: list[dict], columns=("text", "label")) -> Path:
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows([[r["text"], r["label"]] for r in rows])
+    return path
+
+
+@pytest.fixture
+def csv_rows() -> list[dict]:
+    rows = make_examples(12, seed=5)
+    rows[0]["text"] = 'with, commas and "quotes"'
+    return rows
+
+
+def test_load_jsonl_folder(synthetic_data_dir):
+    splits, labels = load_splits(cfg_for(synthetic_data_dir), ("train", "test"))
+    assert labels == ["neg", "pos"]
+    for name in ("train", "test"):
+        expected = [(r["text"], r["label"]) for r in read_jsonl(synthetic_data_dir / f"{name}.jsonl")]
+        assert pairs(splits[name]) == expected
+        assert splits[name].labels.dtype == np.int64
+
+
+def test_load_single_csv_becomes_train(tmp_path, csv_rows):
+    path = write_csv(tmp_path / "reviews.csv", csv_rows)
+    splits, _ = load_splits(cfg_for(path), ("train",))
+    assert pairs(splits["train"]) == [(r["text"], r["label"]) for r in csv_rows]
+    with pytest.raises(UsageError, match="no 'test' split"):
+        load_splits(cfg_for(path), ("test",))
+
+
+def test_load_named_files(tmp_path, csv_rows):
+    a = write_csv(tmp_path / "a.csv", csv_rows[:8])
+    b = write_csv(tmp_path / "b.csv", csv_rows[8:])
+    splits, _ = load_splits(cfg_for(f"train={a},test={b}"), ("train", "test"))
+    assert pairs(splits["train"]) == [(r["text"], r["label"]) for r in csv_rows[:8]]
+    assert pairs(splits["test"]) == [(r["text"], r["label"]) for r in csv_rows[8:]]
+
+
+ACL_FILES = {
+    "train/pos/0_9.txt": "Superb film.<br />Loved it",
+    "train/pos/1_8.txt": "wonderful acting",
+    "train/neg/0_2.txt": "awful, boring",
+    "train/neg/1_1.txt": "hated every minute",
+    "test/pos/0_10.txt": "great fun",
+    "test/neg/0_3.txt": "terrible ending",
+}
+
+
+def expected_acl(split: str) -> list[tuple[str, int]]:
+    return sorted((text, int("/pos/" in name)) for name, text in ACL_FILES.items() if name.startswith(split))
+
+
+@pytest.fixture
+def acl_root(tmp_path) -> Path:
+    for name, text in ACL_FILES.items():
+        path = tmp_path / "aclImdb" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    (tmp_path / "aclImdb" / "train" / "unsup").mkdir()  # present in the real archive; ignored
+    (tmp_path / "aclImdb" / "train" / "unsup" / "0_0.txt").write_text("unlabelled")
+    return tmp_path
+
+
+@pytest.fixture
+def acl_tarball(acl_root, tmp_path) -> Path:
+    path = tmp_path / "aclImdb_v1.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        tar.add(acl_root / "aclImdb", arcname="aclImdb")
+    return path
+
+
+@pytest.mark.parametrize("where", ["parent", "aclImdb", "tarball"])
+def test_load_aclimdb(acl_root, acl_tarball, where):
+    source = {"parent": acl_root, "aclImdb": acl_root / "aclImdb", "tarball": acl_tarball}[where]
+    splits, labels = load_splits(cfg_for(source), ("train", "test"))
+    assert labels == ["neg", "pos"]
+    for split in ("train", "test"):
+        assert sorted(pairs(splits[split])) == expected_acl(split)
+
+
+@pytest.mark.parametrize("source", ["{tmp}/missing", "{tmp}/missing.csv", "./no/such/folder", "nope.jsonl"])
+def test_missing_path_is_a_usage_error(tmp_path, source):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_splits(cfg_for(source.format(tmp=tmp_path)), ("train",))
+
+
+def test_missing_columns_are_named(tmp_path, csv_rows):
+    path = write_csv(tmp_path / "r.csv", csv_rows, columns=("review", "sentiment"))
+    with pytest.raises(TfmError) as e:
+        load_splits(cfg_for(path), ("train",))
+    assert "'text'" in str(e.value) and "'label'" in str(e.value) and "review" in str(e.value)
+
+
+def test_out_of_range_label_is_refused(tmp_path, csv_rows):
+    csv_rows[3]["label"] = 2
+    with pytest.raises(TfmError, match="label 2"):
+        load_splits(cfg_for(write_csv(tmp_path / "r.csv", csv_rows)), ("train",))
+
+
+# --------------------------------------------------------------------------- the pipeline and its cache
+
+
+@pytest.fixture
+def data_cfg(synthetic_data_dir, tmp_path) -> DataConfig:
+    return DataConfig(source=str(synthetic_data_dir), vocab_size=500, max_length=32, cache_dir=str(tmp_path / "cache"))
+
+
+def assert_same_prepared(a, b) -> None:
+    assert a.tokenizer.to_str() == b.tokenizer.to_str()
+    assert a.labels == b.labels
+    for x, y in ((a.train, b.train), (a.val, b.val)):
+        for field in ("ids", "offsets", "labels"):
+            assert np.array_equal(getattr(x, field), getattr(y, field)), field
+
+
+def test_prepare_train_data_holds_out_a_stratified_validation_split(data_cfg):
+    prepared = prepare_train_data(data_cfg, seed=0)
+    assert (len(prepared.train), len(prepared.val)) == (360, 40)
+    assert prepared.val.labels.sum() == 20  # 400 balanced examples, 10% held out per label
+    assert prepared.train.lengths.max() <= data_cfg.max_length
+
+
+def test_second_prepare_hits_the_cache(data_cfg, monkeypatch):
+    first = prepare_train_data(data_cfg, seed=0)
+    cached = sorted(p.name.split("-")[0] for p in Path(data_cfg.cache_dir).iterdir())
+    assert cached == ["encoded", "encoded", "tokenizer"]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the cache was not used")
+
+    monkeypatch.setattr(data_mod, "train_tokenizer", forbidden)
+    monkeypatch.setattr(data_mod, "encode_texts", forbidden)
+    assert_same_prepared(prepare_train_data(data_cfg, seed=0), first)
+
+
+def test_changed_max_length_reuses_the_tokenizer_but_reencodes(data_cfg, monkeypatch):
+    first = prepare_train_data(data_cfg, seed=0)
+    monkeypatch.setattr(data_mod, "train_tokenizer", lambda *a, **k: pytest.fail("tokenizer retrained"))
+    shorter = prepare_train_data(dataclasses.replace(data_cfg, max_length=8), seed=0)
+    assert shorter.tokenizer.to_str() == first.tokenizer.to_str()
+    assert shorter.train.lengths.max() == 8 < first.train.lengths.max()
+
+
+def test_max_train_samples_subsamples(data_cfg):
+    prepared = prepare_train_data(dataclasses.replace(data_cfg, max_train_samples=50), seed=0)
+    assert len(prepared.train) == 50 and len(prepared.val) == 40
+
+
+def test_a_single_label_is_refused(tmp_path):
+    rows = [{"text": f"text number {i}", "label": 0} for i in range(20)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(TfmError, match="only one label"):
+        prepare_train_data(DataConfig(source=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "c")), seed=0)

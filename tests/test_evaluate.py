@@ -1,0 +1,75 @@
+import math
+
+import numpy as np
+import pytest
+from conftest import write_jsonl
+
+from transformer_cli.errors import TfmError
+from transformer_cli.evaluate import evaluate_checkpoint, metrics_from_confusion, predict_texts
+
+
+@pytest.mark.parametrize(("tn", "fp", "fn", "tp"), [(50, 10, 5, 35), (3, 0, 0, 7), (1, 2, 3, 4)])
+def test_metrics_from_confusion(tn, fp, fn, tp):
+    m = metrics_from_confusion(np.array([[tn, fp], [fn, tp]], dtype=float))
+    precision, recall = tp / (tp + fp), tp / (tp + fn)
+    assert m["accuracy"] == pytest.approx((tp + tn) / (tn + fp + fn + tp))
+    assert m["precision"] == pytest.approx(precision)
+    assert m["recall"] == pytest.approx(recall)
+    assert m["f1"] == pytest.approx(2 * precision * recall / (precision + recall))
+    assert m["confusion_matrix"] == [[tn, fp], [fn, tp]]
+    assert m["num_examples"] == tn + fp + fn + tp
+
+
+def test_metrics_without_positive_predictions_are_zero_not_nan():
+    m = metrics_from_confusion(np.array([[10.0, 0.0], [5.0, 0.0]]))
+    assert (m["precision"], m["recall"], m["f1"]) == (0.0, 0.0, 0.0)
+    assert m["accuracy"] == pytest.approx(10 / 15)
+
+
+@pytest.fixture(scope="session")
+def test_predictions(trained_dir, test_rows) -> list[dict]:
+    return predict_texts(trained_dir, [r["text"] for r in test_rows], device="cpu")
+
+
+def test_evaluate_checkpoint_agrees_with_predictions(trained_dir, test_rows, test_predictions):
+    m = evaluate_checkpoint(trained_dir, device="cpu")
+    truth = [r["label"] for r in test_rows]
+    predicted = [["neg", "pos"].index(p["label"]) for p in test_predictions]
+    assert m["num_examples"] == len(test_rows)
+    assert m["accuracy"] == pytest.approx(np.mean([p == t for p, t in zip(predicted, truth)]))
+    confusion = np.zeros((2, 2), dtype=int)
+    np.add.at(confusion, (truth, predicted), 1)
+    assert m["confusion_matrix"] == confusion.tolist()
+    nll = [-math.log(p["probabilities"][["neg", "pos"][t]]) for p, t in zip(test_predictions, truth)]
+    assert m["loss"] == pytest.approx(np.mean(nll), rel=1e-4)
+    assert m["accuracy"] >= 0.85  # the test split is unseen: the model generalises
+
+
+def test_evaluation_does_not_depend_on_the_batch_size(trained_dir):
+    a, b = (evaluate_checkpoint(trained_dir, device="cpu", batch_size=n) for n in (7, 200))
+    assert a["confusion_matrix"] == b["confusion_matrix"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_evaluate_other_data_and_subsets(trained_dir, test_rows, tmp_path):
+    path = write_jsonl(tmp_path / "few.jsonl", test_rows[:30])
+    m = evaluate_checkpoint(trained_dir, data=str(path), split="train", device="cpu")
+    assert (m["num_examples"], m["data"], m["split"]) == (30, str(path), "train")
+    assert evaluate_checkpoint(trained_dir, device="cpu", max_samples=17)["num_examples"] == 17
+
+
+def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, test_predictions):
+    for p in test_predictions:
+        assert sum(p["probabilities"].values()) == pytest.approx(1.0)
+        assert p["score"] == max(p["probabilities"].values())
+        assert p["label"] == max(p["probabilities"], key=p["probabilities"].get)
+    texts = [r["text"] for r in test_rows[:25]]
+    reversed_predictions = predict_texts(trained_dir, texts[::-1], device="cpu", batch_size=4)
+    for a, b in zip(reversed_predictions[::-1], test_predictions[:25]):
+        assert a["label"] == b["label"]
+        assert a["score"] == pytest.approx(b["score"], abs=1e-5)
+
+
+def test_predict_needs_texts(trained_dir):
+    with pytest.raises(TfmError, match="no input"):
+        predict_texts(trained_dir, [], device="cpu")

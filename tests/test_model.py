@@ -1,0 +1,191 @@
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from transformer_cli.config import ModelConfig
+from transformer_cli.data import PAD_ID
+from transformer_cli.model import CTransformer, SelfAttention, pool, sinusoidal_table
+
+D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
+LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS]
+
+
+def model_cfg(**kw) -> ModelConfig:
+    base = {"d_model": D_MODEL, "n_heads": N_HEADS, "n_layers": 2, "ff_mult": 2, "dropout": 0.0}
+    return ModelConfig(**{**base, **kw})
+
+
+def length_mask(lengths: list[int], width: int | None = None) -> torch.Tensor:
+    width = width or max(lengths)
+    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def random_batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (PAD after each row's length) and the matching mask."""
+    g = torch.Generator().manual_seed(seed)
+    mask = length_mask(lengths)
+    ids = torch.randint(1, VOCAB, mask.shape, generator=g).masked_fill(~mask, PAD_ID)
+    return ids, mask
+
+
+@pytest.fixture
+def attn_input() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(len(LENGTHS), max(LENGTHS), D_MODEL, generator=g), length_mask(LENGTHS)
+
+
+def attention_pair() -> tuple[SelfAttention, SelfAttention]:
+    """An explicit and a fused attention module with the same (random) weights, in eval mode."""
+    torch.manual_seed(0)
+    explicit = SelfAttention(model_cfg(attention="explicit"))
+    for p in explicit.parameters():
+        nn.init.normal_(p, std=0.3)
+    fused = SelfAttention(model_cfg(attention="sdpa"))
+    fused.load_state_dict(explicit.state_dict())
+    assert not explicit.fused and fused.fused
+    return explicit.eval(), fused.eval()
+
+
+def reference_attention(attn: SelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Multi-head self-attention written out head by head, in float64, from the module's weights."""
+    x = x.double()
+    w_qkv, b_qkv = attn.qkv.weight.double(), attn.qkv.bias.double()
+    B, T, C = x.shape
+    dh = C // N_HEADS
+    out = torch.zeros(B, T, C, dtype=torch.float64)
+    for b in range(B):
+        heads = []
+        for h in range(N_HEADS):
+            rows = [slice(part * C + h * dh, part * C + (h + 1) * dh) for part in range(3)]
+            q, k, v = (x[b] @ w_qkv[r].T + b_qkv[r] for r in rows)  # (T, dh) each
+            scores = q @ k.T / math.sqrt(dh)  # (T, T)
+            scores[:, ~mask[b]] = float("-inf")
+            heads.append(torch.softmax(scores, dim=-1) @ v)
+        out[b] = torch.cat(heads, dim=-1) @ attn.proj.weight.double().T + attn.proj.bias.double()
+    return out.float()
+
+
+def test_fused_and_explicit_attention_agree_on_outputs_and_gradients(attn_input):
+    x, mask = attn_input
+    explicit, fused = attention_pair()
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    results = []
+    for module in (explicit, fused):
+        xi = x.clone().requires_grad_(True)
+        y = module(xi, mask)
+        (y * weights * mask[..., None]).sum().backward()
+        results.append((y.detach(), xi.grad, {n: p.grad for n, p in module.named_parameters()}))
+    (y_e, gx_e, gp_e), (y_f, gx_f, gp_f) = results
+    assert torch.allclose(y_e, y_f, atol=1e-5)
+    assert torch.allclose(gx_e, gx_f, atol=1e-5)
+    assert gp_e.keys() == gp_f.keys()
+    for name in gp_e:
+        assert torch.allclose(gp_e[name], gp_f[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("which", ["explicit", "fused"])
+def test_attention_equals_the_written_out_formula(attn_input, which):
+    x, mask = attn_input
+    module = dict(zip(["explicit", "fused"], attention_pair()))[which]
+    with torch.no_grad():
+        assert torch.allclose(module(x, mask), reference_attention(module, x, mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["explicit", "fused"])
+def test_attention_equals_torch_multihead_attention(attn_input, which):
+    x, mask = attn_input
+    module = dict(zip(["explicit", "fused"], attention_pair()))[which]
+    mha = nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(module.qkv.weight)
+        mha.in_proj_bias.copy_(module.qkv.bias)
+        mha.out_proj.weight.copy_(module.proj.weight)
+        mha.out_proj.bias.copy_(module.proj.bias)
+        expected, _ = mha(x, x, x, key_padding_mask=~mask, need_weights=False)
+        got = module(x, mask)
+    # Compare real positions only: MHA's inference fast path may zero the padded query rows.
+    assert torch.allclose(got[mask], expected[mask], atol=1e-5)
+
+
+VARIANTS = list(itertools.product(["max", "mean", "first"], ["pre", "post"], ["learned", "sinusoidal"],
+                                  ["sdpa", "explicit"]))
+
+
+@pytest.mark.parametrize(("pooling", "norm", "pos_emb", "attention"), VARIANTS)
+def test_extra_padding_does_not_change_the_logits(pooling, norm, pos_emb, attention):
+    torch.manual_seed(0)
+    cfg = model_cfg(pooling=pooling, norm=norm, pos_emb=pos_emb, attention=attention)
+    model = CTransformer(cfg, VOCAB, MAX_LEN).eval()
+    ids, mask = random_batch(LENGTHS)
+    extra = 9
+    ids_padded = torch.cat([ids, torch.full((len(LENGTHS), extra), PAD_ID)], dim=1)
+    mask_padded = torch.cat([mask, torch.zeros(len(LENGTHS), extra, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        logits = model(ids, mask)
+        logits_padded = model(ids_padded, mask_padded)
+        singles = torch.cat([model(ids[i : i + 1, :n], mask[i : i + 1, :n]) for i, n in enumerate(LENGTHS)])
+    assert torch.allclose(logits, logits_padded, atol=1e-5)
+    assert torch.allclose(logits, singles, atol=1e-5)  # and equal to each row on its own, unpadded
+
+
+@pytest.fixture
+def states_with_loud_padding() -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, C) states whose padded positions hold huge values that any leak would show."""
+    mask = length_mask(LENGTHS)
+    h = torch.randn(len(LENGTHS), max(LENGTHS), 6, generator=torch.Generator().manual_seed(3))
+    return h.masked_fill(~mask[..., None], 1e6), mask
+
+
+@pytest.mark.parametrize(("how", "reduce"), [
+    ("max", lambda rows: rows.max(dim=0).values),
+    ("mean", lambda rows: rows.mean(dim=0)),
+    ("first", lambda rows: rows[0]),
+])
+def test_pool_ignores_padding(states_with_loud_padding, how, reduce):
+    h, mask = states_with_loud_padding
+    expected = torch.stack([reduce(h[b, :n]) for b, n in enumerate(LENGTHS)])
+    assert torch.allclose(pool(h, mask, how), expected)
+
+
+@pytest.mark.parametrize("num_labels", [2, 3])
+def test_output_shapes(num_labels):
+    model = CTransformer(model_cfg(), VOCAB, MAX_LEN, num_labels).eval()
+    ids, mask = random_batch(LENGTHS)
+    with torch.no_grad():
+        assert model.encoder(ids, mask).shape == (len(LENGTHS), max(LENGTHS), D_MODEL)
+        assert model(ids, mask).shape == (len(LENGTHS), num_labels)
+
+
+def test_param_groups_decay_exactly_the_matrices():
+    model = CTransformer(model_cfg(), VOCAB, MAX_LEN)
+    decay, no_decay = model.param_groups(0.1)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    decay_ids, no_decay_ids = [{id(p) for p in g["params"]} for g in (decay, no_decay)]
+    assert len(decay_ids) == len(decay["params"]) and len(no_decay_ids) == len(no_decay["params"])
+    named = dict(model.named_parameters())
+    assert not decay_ids & no_decay_ids
+    assert decay_ids | no_decay_ids == {id(p) for p in named.values()}
+    assert decay_ids == {id(p) for p in named.values() if p.dim() >= 2}
+    for name, p in named.items():
+        if name.endswith(".bias") or "norm" in name:
+            assert id(p) in no_decay_ids, name
+    assert id(named["encoder.tok_emb.weight"]) in decay_ids
+    assert id(named["encoder.blocks.0.attn.qkv.weight"]) in decay_ids
+
+
+def test_sequences_longer_than_max_length_raise():
+    model = CTransformer(model_cfg(), VOCAB, max_length=8)
+    ids, mask = random_batch([9, 2])
+    with pytest.raises(ValueError, match="max_length"):
+        model(ids, mask)
+
+
+def test_sinusoidal_table_follows_the_formula():
+    table = sinusoidal_table(10, 8)
+    for pos, i in itertools.product(range(10), range(4)):
+        angle = pos / 10000 ** (2 * i / 8)
+        assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
+        assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)

@@ -1,0 +1,222 @@
+import itertools
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from transformer_cli import checkpoint as ckpt
+from transformer_cli import train as train_mod
+from transformer_cli.config import TrainConfig
+from transformer_cli.errors import UsageError
+from transformer_cli.train import Interrupted, lr_at, train
+
+# The synthetic train split: 400 examples, 10% held out -> 360; tiny.toml: batch 16, 2 epochs.
+N_TRAIN = 360
+
+
+def steps_per_epoch(cfg) -> int:
+    return math.ceil(N_TRAIN / cfg.train.batch_size)
+
+
+def read_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def final_weights(out: Path) -> dict:
+    """The weights at the last step (model.safetensors holds the best ones, not the last)."""
+    return load_file(ckpt.checkpoint_dirs(out)[-1] / ckpt.MODEL_FILE)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert tensor.equal(b[name]), name
+
+
+# --------------------------------------------------------------------------- learning-rate schedule
+
+
+def tc(**kw) -> TrainConfig:
+    return TrainConfig(**{"lr": 1e-3, "warmup_steps": 10, **kw})
+
+
+@pytest.mark.parametrize("config", [tc(), tc(warmup_steps=None, warmup_ratio=0.1)], ids=["steps", "ratio"])
+def test_warmup_rises_linearly_to_lr(config):
+    values = [lr_at(s, 100, config) for s in range(10)]
+    assert values == pytest.approx([1e-3 * (s + 1) / 10 for s in range(10)])
+    assert values[0] == pytest.approx(1e-4) and values[-1] == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.0, 0.1])
+def test_linear_decay_ends_at_the_minimum(min_lr_ratio):
+    config = tc(schedule="linear", min_lr_ratio=min_lr_ratio)
+    decay = [lr_at(s, 110, config) for s in range(10, 111)]
+    assert decay[0] == pytest.approx(1e-3)
+    assert decay[50] == pytest.approx(1e-3 * (1 - (1 - min_lr_ratio) * 0.5))
+    assert decay[-1] == pytest.approx(1e-3 * min_lr_ratio)
+    steps = [a - b for a, b in itertools.pairwise(decay)]
+    assert steps == pytest.approx([steps[0]] * len(steps)) and steps[0] > 0
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.0, 0.2])
+def test_cosine_decay(min_lr_ratio):
+    config = tc(schedule="cosine", min_lr_ratio=min_lr_ratio)
+    floor = 1e-3 * min_lr_ratio
+    assert lr_at(10, 110, config) == pytest.approx(1e-3)
+    assert lr_at(60, 110, config) == pytest.approx((1e-3 + floor) / 2)
+    quarter = 0.5 * (1 + math.cos(math.pi / 4))
+    assert lr_at(35, 110, config) == pytest.approx(floor + (1e-3 - floor) * quarter)
+    assert lr_at(110, 110, config) == pytest.approx(floor)
+
+
+def test_constant_schedule_stays_at_lr_after_warmup():
+    config = tc(schedule="constant", min_lr_ratio=0.5)
+    assert [lr_at(s, 50, config) for s in range(10, 51)] == [1e-3] * 41
+
+
+def test_lr_at_is_a_pure_function():
+    config = tc(schedule="cosine")
+    forward = [lr_at(s, 80, config) for s in range(80)]
+    backward = [lr_at(s, 80, config) for s in reversed(range(80))]
+    assert forward == backward[::-1]
+
+
+# --------------------------------------------------------------------------- a full run
+
+
+def test_output_directory_holds_exactly_the_documented_files(trained_dir):
+    names = sorted(p.name for p in trained_dir.iterdir())
+    events = [n for n in names if n.startswith("events.out.tfevents.")]
+    assert len(events) == 1
+    assert sorted(set(names) - set(events)) == sorted(
+        [ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE, ckpt.CKPT_DIR])
+
+
+def test_metrics_file_matches_the_returned_metrics(trained_run, tiny_cfg):
+    out, metrics = trained_run
+    assert json.loads((out / ckpt.METRICS_FILE).read_text()) == metrics
+    assert metrics["steps"] == steps_per_epoch(tiny_cfg) * tiny_cfg.train.epochs
+    assert metrics["val"]["num_examples"] == 400 - N_TRAIN
+
+
+def test_tensorboard_scalars(trained_run):
+    out, metrics = trained_run
+    scalars = read_scalars(out)
+    required = {"train/loss", "train/lr", "train/grad_norm", "train/samples_per_sec", "val/loss", "val/accuracy"}
+    assert required <= scalars.keys()
+    for tag, events in scalars.items():
+        steps = [s for s, _ in events]
+        assert all(a < b for a, b in itertools.pairwise(steps)), tag
+    per_epoch = metrics["steps"] // metrics["epochs"]
+    assert [s for s, _ in scalars["val/accuracy"]] == [per_epoch * (e + 1) for e in range(metrics["epochs"])]
+    assert max(v for _, v in scalars["val/accuracy"]) == pytest.approx(metrics["val"]["accuracy"])
+
+
+def test_the_model_learns_the_synthetic_task(trained_run):
+    _, metrics = trained_run
+    assert metrics["val"]["accuracy"] >= 0.85
+
+
+def test_checkpoints_are_written_every_checkpoint_every_steps_and_each_epoch(trained_run, tiny_cfg):
+    out, metrics = trained_run
+    every, per_epoch = tiny_cfg.train.checkpoint_every, steps_per_epoch(tiny_cfg)
+    expected = {s for s in range(1, metrics["steps"] + 1) if s % every == 0 or s % per_epoch == 0}
+    assert len(expected) > tiny_cfg.train.epochs  # some mid-epoch ones
+    assert {int(p.name.split("-")[1]) for p in ckpt.checkpoint_dirs(out)} == expected
+
+
+def test_training_is_reproducible(trained_run, tiny_cfg):
+    out, metrics = trained_run
+    again = train(tiny_cfg, progress=False)
+    for key in ("loss", "accuracy", "confusion_matrix"):
+        assert again["val"][key] == metrics["val"][key]
+    assert again["best_step"] == metrics["best_step"]
+    new_out = Path(tiny_cfg.train.output_dir)
+    assert_same_weights(load_file(new_out / ckpt.MODEL_FILE), load_file(out / ckpt.MODEL_FILE))
+    assert_same_weights(final_weights(new_out), final_weights(out))
+
+
+def test_training_into_an_existing_run_is_refused(trained_dir, synthetic_data_dir):
+    before = {p.name: p.stat().st_mtime_ns for p in trained_dir.iterdir()}
+    with pytest.raises(UsageError, match="already holds a run"):
+        train(tiny_config(synthetic_data_dir, trained_dir), progress=False)
+    assert {p.name: p.stat().st_mtime_ns for p in trained_dir.iterdir()} == before
+
+
+def test_a_run_that_died_before_its_first_checkpoint_can_be_restarted(tiny_cfg, monkeypatch):
+    """A crash after setup (kill -9, out of memory) leaves config.json, tokenizer.json and events but
+    no checkpoint. One of the two commands the error messages offer must then work."""
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(train_mod, "fit", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        train(tiny_cfg, progress=False)
+    monkeypatch.undo()
+    out = Path(tiny_cfg.train.output_dir)
+    assert (out / ckpt.CONFIG_FILE).exists() and ckpt.checkpoint_dirs(out) == []
+    try:
+        metrics = train(tiny_cfg, progress=False)
+    except UsageError:  # "already holds a run; pass --resume"
+        metrics = train(tiny_cfg, resume=True, progress=False)
+    assert metrics["steps"] == steps_per_epoch(tiny_cfg) * tiny_cfg.train.epochs
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, tmp_path):
+    # The schedule must not depend on the total number of steps (which max_steps changes): constant
+    # learning rate after a warmup given in steps.
+    def cfg(name, **kw):
+        return tiny_config(synthetic_data_dir, tmp_path / name, train__epochs=1, train__schedule="constant",
+                           train__warmup_steps=5, **kw)
+
+    train(cfg("full"), progress=False)
+    assert train(cfg("split", train__max_steps=10), progress=False)["steps"] == 10
+    assert [p.name for p in ckpt.checkpoint_dirs(tmp_path / "split")] == ["step-00000010"]
+    with pytest.raises(UsageError, match="max_steps"):
+        train(cfg("split"), resume=True, progress=False)  # max_steps changed: refused without force
+    resumed = train(cfg("split"), resume=True, force=True, progress=False)
+    assert resumed["steps"] == steps_per_epoch(cfg("x"))
+    assert_same_weights(final_weights(tmp_path / "split"), final_weights(tmp_path / "full"))
+
+
+def test_resume_after_a_signal_equals_an_uninterrupted_run(trained_run, tiny_cfg, monkeypatch):
+    out, metrics = trained_run
+    stop_after = 10  # a multiple of log_every, so that the logged training losses line up
+    real_lr_at = train_mod.lr_at
+
+    def interrupting_lr_at(step, total, config):
+        if step == stop_after - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled by the trainer: finish the step, checkpoint
+        return real_lr_at(step, total, config)
+
+    monkeypatch.setattr(train_mod, "lr_at", interrupting_lr_at)
+    with pytest.raises(Interrupted) as e:
+        train(tiny_cfg, progress=False)
+    assert e.value.exit_code == 128 + signal.SIGTERM
+    split = Path(tiny_cfg.train.output_dir)
+    assert [p.name for p in ckpt.checkpoint_dirs(split)] == [f"step-{stop_after:08d}"]
+
+    monkeypatch.setattr(train_mod, "lr_at", real_lr_at)
+    resumed = train(tiny_cfg, resume=True, progress=False)
+    assert (resumed["steps"], resumed["best_step"]) == (metrics["steps"], metrics["best_step"])
+    assert resumed["val"]["loss"] == metrics["val"]["loss"]
+    assert_same_weights(final_weights(split), final_weights(out))
+    assert_same_weights(load_file(split / ckpt.MODEL_FILE), load_file(out / ckpt.MODEL_FILE))
+
+    # The two event files read as one history: no step logged twice, same training losses.
+    resumed_loss, full_loss = (read_scalars(d)["train/loss"] for d in (split, out))
+    assert [s for s, _ in resumed_loss] == [s for s, _ in full_loss]
+    assert [v for _, v in resumed_loss] == pytest.approx([v for _, v in full_loss], abs=1e-6)
