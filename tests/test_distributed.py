@@ -55,3 +55,34 @@ def test_resume_with_another_world_size_is_refused(synthetic_data_dir, tmp_path)
     assert r.returncode == 2
     assert "world size: 2 -> 1" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_sigterm_to_one_rank_stops_all_ranks_with_one_checkpoint(synthetic_data_dir, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TFM_TEST_OWNER": str(os.getpid())}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "transformer_cli", "train", "--config", "configs/tiny.toml", "--data", str(synthetic_data_dir),
+           "--epochs", "500", "-o", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints").is_dir():  # training is under way once a checkpoint exists
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    rank1 = None
+    for pid in Path("/proc").iterdir():
+        try:
+            environ = (pid / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"RANK=1" in environ and b"TFM_TEST_OWNER=" + str(os.getpid()).encode() in environ:
+            rank1 = int(pid.name)
+    assert rank1 is not None, "rank 1 not found"
+    before = {p.name for p in (out / "checkpoints").iterdir()}
+    os.kill(rank1, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)  # a hang fails here
+    assert "exitcode  : 143" in stderr
+    after = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
+    assert after[-1] not in before  # the stop wrote a new checkpoint at a step boundary
