@@ -184,17 +184,24 @@ def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_stat
         write_json(tmp / "trainer.json", train_state)
         atomic_write_text(tmp / COMPLETE, f"{step}\n")
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in checkpoint_dirs(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".step-*.tmp-*"):
+        _remove(old)
+    for stale in root.glob(".step-*"):  # temp and half-removed folders of killed runs
         shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+def _remove(folder: Path) -> None:
+    """Rename out of the step-N namespace first (atomic), so a kill never leaves half a checkpoint."""
+    doomed = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_checkpoint(path: Path) -> tuple[dict, dict]:
