@@ -4,7 +4,6 @@ checkpoint writes, changed settings on resume, and exact resume with dropout (RN
 import errno
 import json
 import math
-import os
 import random
 import shutil
 import signal

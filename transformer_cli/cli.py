@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -50,24 +51,24 @@ Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 
 @app.command(context_settings={"allow_extra_args": False})
 def train(
-    overrides: Annotated[Optional[list[str]], typer.Argument(
+    overrides: Annotated[list[str] | None, typer.Argument(
         help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
         show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
-    data: Annotated[Optional[str], typer.Option(envvar="TFM_DATA", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s).", show_default=False)] = None,
-    output_dir: Annotated[Optional[Path], typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Passes over the training split.")] = None,
-    max_steps: Annotated[Optional[int], typer.Option(help="Stop after this many optimizer steps.")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Examples per optimizer step (all processes).")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="Peak learning rate.")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for the split, init, dropout and batching.")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = None,
-    precision: Annotated[Optional[str], typer.Option(help="auto, fp32, bf16 or fp16.")] = None,
-    max_train_samples: Annotated[Optional[int], typer.Option(help="Train on a random subset of this size.")] = None,
-    max_eval_samples: Annotated[Optional[int], typer.Option(help="Validate/test on at most this many examples.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
+    data: Annotated[str | None, typer.Option(envvar="TFM_DATA", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s).", show_default=False)] = None,
+    output_dir: Annotated[Path | None, typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
+    epochs: Annotated[int | None, typer.Option(help="Passes over the training split.")] = None,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Examples per optimizer step (all processes).")] = None,
+    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for the split, init, dropout and batching.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = None,
+    precision: Annotated[str | None, typer.Option(help="auto, fp32, bf16 or fp16.")] = None,
+    max_train_samples: Annotated[int | None, typer.Option(help="Train on a random subset of this size.")] = None,
+    max_eval_samples: Annotated[int | None, typer.Option(help="Validate/test on at most this many examples.")] = None,
     test: Annotated[bool, typer.Option("--test", help="Evaluate the best model on the test split at the end.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in the output directory.")] = False,
-    resume_from: Annotated[Optional[Path], typer.Option(help="Continue from this checkpoint folder.")] = None,
+    resume_from: Annotated[Path | None, typer.Option(help="Continue from this checkpoint folder.")] = None,
     force: Annotated[bool, typer.Option("--force", help="On resume, accept settings that differ from the checkpoint's.")] = False,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
@@ -100,7 +101,7 @@ def train(
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
 
 
-def _read_inputs(texts: list[str], file: Optional[str]) -> list[str]:
+def _read_inputs(texts: list[str], file: str | None) -> list[str]:
     if file is not None:
         if texts:
             raise UsageError("pass review TEXT arguments or --file, not both")
@@ -131,9 +132,9 @@ def _read_inputs(texts: list[str], file: Optional[str]) -> list[str]:
 
 @app.command()
 def predict(
-    texts: Annotated[Optional[list[str]], typer.Argument(help="Reviews to classify.", show_default=False)] = None,
+    texts: Annotated[list[str] | None, typer.Argument(help="Reviews to classify.", show_default=False)] = None,
     checkpoint: Ckpt = Path("runs/tfm"),
-    file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
+    file: Annotated[str | None, typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input line: label, score, probabilities.")] = False,
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
@@ -158,12 +159,12 @@ def predict(
 @app.command()
 def evaluate(
     checkpoint: Ckpt = Path("runs/tfm"),
-    data: Annotated[Optional[str], typer.Option(help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
+    data: Annotated[str | None, typer.Option(help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
     split: Annotated[str, typer.Option(help="Split to evaluate.")] = "test",
-    max_samples: Annotated[Optional[int], typer.Option(min=1, help="Evaluate a seeded random subset of this size.")] = None,
+    max_samples: Annotated[int | None, typer.Option(min=1, help="Evaluate a seeded random subset of this size.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
     device: Device = "auto",
-    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Reviews per forward pass.")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
 ) -> None:
     """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
 

@@ -8,13 +8,13 @@ A run is described by one `Config` with three sections (`model`, `data`, `train`
 from __future__ import annotations
 
 import dataclasses
-import json
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 from transformer_cli.errors import UsageError
 
@@ -293,8 +293,3 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     d = read_toml(path) if path is not None else {}
     return Config.from_dict(apply_overrides(d, overrides or {}))
 
-
-def save_json(obj: Any, path: Path) -> None:
-    from transformer_cli.checkpoint import atomic_write_text
-
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -14,7 +14,6 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -49,7 +48,7 @@ class RawSplit:
 
 @dataclass
 class Encoded:
-    """A split's token ids: row i is ids[offsets[i]:offsets[i+1]], starting with [CLS]."""
+    """A split's token ids: review i is ids[offsets[i]:offsets[i+1]], starting with [CLS]."""
 
     ids: np.ndarray  # (total_tokens,) int32
     offsets: np.ndarray  # (N + 1,) int64
@@ -61,9 +60,6 @@ class Encoded:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
-
-    def row(self, i: int) -> np.ndarray:
-        return self.ids[self.offsets[i] : self.offsets[i + 1]]
 
 
 # --------------------------------------------------------------------------- loading
@@ -387,14 +383,6 @@ def collate(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         ids[row, :n] = enc.ids[enc.offsets[i] : enc.offsets[i] + n]
     mask = np.arange(ids.shape[1])[None, :] < lengths[:, None]
     return ids, mask, enc.labels[idx]
-
-
-def iter_eval_batches(enc: Encoded, batch_size: int) -> Iterator[tuple[np.ndarray, tuple]]:
-    """Length-sorted batches for inference: yields (indices, collated batch)."""
-    order = np.argsort(enc.lengths, kind="stable")
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        yield idx, collate(enc, idx)
 
 
 # --------------------------------------------------------------------------- the whole pipeline

@@ -323,7 +323,7 @@ def total_steps(run: Run, sampler: BucketSampler) -> int:
 
 
 def fit(run: Run, logger: Logger, progress: bool = True) -> None:
-    cfg, tc, rt, st = run.cfg, run.cfg.train, run.rt, run.state
+    tc, rt, st = run.cfg.train, run.rt, run.state
     micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
     sampler = BucketSampler(run.train.lengths, micro * rt.world_size, tc.seed, True, rt.world_size, rt.rank)
     total = total_steps(run, sampler)
