@@ -86,3 +86,10 @@ def test_sigterm_to_one_rank_stops_all_ranks_with_one_checkpoint(synthetic_data_
     assert "exitcode  : 143" in stderr
     after = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
     assert after[-1] not in before  # the stop wrote a new checkpoint at a step boundary
+
+    # The same world size resumes from it (--force: a shorter max_steps, to finish quickly).
+    stopped_at = int(after[-1].split("-")[1])
+    resumed = subprocess.run([*cmd, "--max-steps", str(stopped_at + 3), "--resume", "--force"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((out / "metrics.json").read_text())["steps"] == stopped_at + 3
