@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from transformer_cli.errors import TfmError
+from transformer_cli.errors import TfmError, first_line
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
 FORMAT_VERSION = 1
@@ -217,6 +217,5 @@ def load_checkpoint(path: Path) -> tuple[dict, dict]:
     try:
         tensors_state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TfmError(f"refusing to load '{path / 'state.pt'}': {first}") from None
+        raise TfmError(f"refusing to load '{path / 'state.pt'}': {first_line(e)}") from None
     return train_state, tensors_state

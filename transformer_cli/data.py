@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from transformer_cli.config import DataConfig
-from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.errors import TfmError, UsageError, first_line
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
@@ -102,9 +102,8 @@ def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
     try:
         ds = datasets.load_dataset(source)
     except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TfmError(
-            f"could not load dataset '{source}' ({first}); pass a local copy with --data PATH"
+            f"could not load dataset '{source}' ({first_line(e)}); pass a local copy with --data PATH"
         ) from None
     return _from_dataset_dict(ds, cfg, splits, source)
 
@@ -125,8 +124,7 @@ def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ..
     try:
         ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TfmError(f"could not read {', '.join(files.values())}: {first}") from None
+        raise TfmError(f"could not read {', '.join(files.values())}: {first_line(e)}") from None
     return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()))
 
 

@@ -9,3 +9,9 @@ class TfmError(Exception):
 
 class UsageError(TfmError):
     exit_code = 2
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (or its type), for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
