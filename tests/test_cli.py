@@ -188,3 +188,27 @@ def test_unknown_key_in_a_config_file_exits_2(tmp_path, content, fragment):
     path = tmp_path / "bad.toml"
     path.write_text(content)
     assert_fails_cleanly(tfm("train", "--config", path, "-o", tmp_path / "out"), 2, fragment)
+
+
+@pytest.mark.parametrize("text", ["Loved it 😍🎬🍿 ✨", "great " * 200_000, "   \t "],
+                         ids=["emoji", "one-megabyte", "whitespace"])
+def test_unusual_reviews(cli_run, text):
+    result = tfm("predict", "-c", cli_run, "--json", text)
+    if not text.strip():
+        assert_fails_cleanly(result, 2, "empty")
+        return
+    assert result.exit_code == 0, result.stderr
+    (r,) = json_lines(result.stdout)
+    assert r["label"] in ("neg", "pos") and 0.5 <= r["score"] <= 1.0  # a real, finite probability
+
+
+@pytest.mark.parametrize(("rows", "code", "fragment"), [
+    ([{"review": "good", "label": 1}] * 4, 1, "no column 'text'"),
+    ([{"text": "good", "label": 2}, {"text": "bad", "label": 0}] * 2, 1, "has label 2"),
+], ids=["no-text-column", "label-outside-0-1"])
+def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert_fails_cleanly(tfm("train", "--data", data, "-o", out, "--no-progress"), code, fragment)
+    assert not out.exists()  # nothing is written before the data is known to be good

@@ -4,6 +4,7 @@ checkpoint writes, changed settings on resume, and exact resume with dropout (RN
 import errno
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -143,3 +144,64 @@ def test_sigkill_during_checkpoint_writes_never_breaks_the_latest_checkpoint(syn
                                capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stderr[-500:]
             assert not [p for p in out.rglob("*") if ".tmp" in p.name]
+
+
+def test_the_examples_after_a_resume_are_those_the_uninterrupted_run_would_see(synthetic_data_dir, tmp_path,
+                                                                                monkeypatch):
+    real_collate, real_lr_at = train_mod.collate, train_mod.lr_at
+    seen: list[list[int]] = []
+
+    def recording_collate(enc, idx):
+        if enc is recording_collate.train_split:
+            seen.append(sorted(int(i) for i in idx))
+        return real_collate(enc, idx)
+
+    def run(name, stop_at=None, resume=False):
+        cfg = tiny_config(synthetic_data_dir, tmp_path / name)
+        original_setup = train_mod.setup
+
+        def setup(*a, **kw):
+            r = original_setup(*a, **kw)
+            recording_collate.train_split = r.train
+            return r
+
+        def lr_at(step, total, tc):
+            if step == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer finishes this step, then stops
+            return real_lr_at(step, total, tc)
+
+        monkeypatch.setattr(train_mod, "setup", setup)
+        monkeypatch.setattr(train_mod, "collate", recording_collate)
+        monkeypatch.setattr(train_mod, "lr_at", lr_at)
+        try:
+            train(cfg, resume=resume, progress=False)
+        except train_mod.Interrupted:
+            pass
+        finally:
+            monkeypatch.undo()
+
+    run("full")
+    full, seen[:] = list(seen), []
+    run("split", stop_at=30)  # step 31 of 46 lies in the second epoch
+    before = list(seen)
+    seen[:] = []
+    run("split", resume=True)
+    assert len(before) == 31 and before + seen == full  # none repeated, none skipped
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_tfm_train_checkpoints_and_exits_with_its_code(synthetic_data_dir, tmp_path, sig, code):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "transformer_cli", "train", "--config", "configs/tiny.toml", "--data",
+           str(synthetic_data_dir), "--no-progress", "--epochs", "500", "-o", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / ckpt.CKPT_DIR).is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("tfm: error: stopped by") and "--resume" in line
+    assert ckpt.checkpoint_dirs(out)[-1].name in line
