@@ -342,6 +342,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     window = {"loss": 0.0, "steps": 0, "samples": 0, "t0": time.perf_counter()}
     run.engine.train()
     t_start = time.perf_counter() - st.train_time_sec
+    stopping = False
     with _StopFlag() as stop:
         while st.step < total and st.epoch < tc.epochs:
             groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
@@ -399,7 +400,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 st.train_time_sec = time.perf_counter() - t_start
                 if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 and not epoch_done:
                     save_checkpoint(run)
-                if stopping:
+                if stopping and not (epoch_done or st.step >= total):
                     where = save_checkpoint(run)
                     raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
             if st.batch_in_epoch == len(groups):
@@ -407,7 +408,9 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 st.batch_in_epoch = 0
             validate(run, logger)
             st.train_time_sec = time.perf_counter() - t_start
-            save_checkpoint(run)
+            where = save_checkpoint(run)
+            if stopping:  # a stop on the last step of an epoch or run still gets its validation first
+                raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
     if bar is not None:
         bar.close()
 
