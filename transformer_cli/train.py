@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -200,6 +201,14 @@ def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world:
         )
 
 
+def _remove_stale_temp_files(out: Path) -> None:
+    """Delete the `.NAME.tmp-PID` files (`ckpt.atomic_write_bytes`'s temp names) that killed writes left in `out`."""
+    for path in out.glob(".*.tmp-*"):
+        if re.fullmatch(r"\..+\.tmp-[0-9]+", path.name) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
     tc = cfg.train
     out = Path(tc.output_dir)
@@ -236,6 +245,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, force)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
         ckpt.save_model_files(out, cfg.to_dict(), data.tokenizer.to_str(), data.labels, vocab_size)
     engine: torch.nn.Module = model
     if tc.compile:
