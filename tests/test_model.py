@@ -7,7 +7,7 @@ from torch import nn
 
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
-from transformer_cli.model import CTransformer, SelfAttention, pool, sinusoidal_table
+from transformer_cli.model import CTransformer, SelfAttention, drop_tokens, pool, sinusoidal_table
 
 D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
 LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS]
@@ -189,3 +189,31 @@ def test_sinusoidal_table_follows_the_formula():
         angle = pos / 10000 ** (2 * i / 8)
         assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-5)
         assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)
+
+
+def test_token_dropout_hides_tokens_like_padding_in_training_only():
+    ids, mask = random_batch([24, 20, 17, 9])
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(token_dropout=0.5), VOCAB, MAX_LEN)
+    plain = CTransformer(model_cfg(), VOCAB, MAX_LEN)
+    plain.load_state_dict(model.state_dict())
+
+    model.eval(), plain.eval()
+    torch.testing.assert_close(model(ids, mask), plain(ids, mask))  # evaluation sees every token
+
+    model.train(), plain.train()
+    torch.manual_seed(7)
+    dropped = model(ids, mask)
+    torch.manual_seed(7)
+    kept = drop_tokens(mask, 0.5)
+    assert kept[:, 0].all() and not (kept & ~mask).any()  # [CLS] stays; padding stays padding
+    assert 0.3 < 1 - kept.sum() / mask.sum() < 0.7
+    torch.testing.assert_close(dropped, plain(ids, kept))
+    assert not torch.allclose(dropped, plain(ids, mask))
+
+
+def test_token_dropout_rate():
+    torch.manual_seed(0)
+    mask = torch.ones(64, 512, dtype=torch.bool)
+    hidden = 1 - drop_tokens(mask, 0.15)[:, 1:].float().mean().item()
+    assert abs(hidden - 0.15) < 0.01

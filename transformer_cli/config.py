@@ -99,6 +99,7 @@ class ModelConfig(_Section):
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
+    token_dropout: float = 0.0  # training only: share of input tokens hidden (masked out like padding)
     pooling: Literal["max", "mean", "first"] = "mean"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
@@ -110,7 +111,7 @@ class ModelConfig(_Section):
                 self._fail(name, "must be at least 1")
         if self.d_model % self.n_heads:
             self._fail("d_model", f"must be divisible by model.n_heads = {self.n_heads}")
-        for name in ("dropout", "attn_dropout"):
+        for name in ("dropout", "attn_dropout", "token_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
 
@@ -166,6 +167,7 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     label_smoothing: float = 0.0
+    ema_decay: float = 0.0  # > 0: validate and save an exponential moving average of the weights
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -205,6 +207,8 @@ class TrainConfig(_Section):
             self._fail("grad_clip", "must be non-negative (0 disables clipping)")
         if not 0.0 <= self.label_smoothing < 1.0:
             self._fail("label_smoothing", "must be in [0, 1)")
+        if not 0.0 <= self.ema_decay < 1.0:
+            self._fail("ema_decay", "must be in [0, 1) (0 disables the average)")
         if self.batch_size % self.grad_accum_steps:
             self._fail("batch_size", f"must be divisible by train.grad_accum_steps = {self.grad_accum_steps}")
         if not (self.device in ("auto", "cpu", "mps", "cuda") or self.device.startswith("cuda:")):

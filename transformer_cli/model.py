@@ -124,6 +124,16 @@ def pool(h: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1).to(h.dtype)
 
 
+def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
+    """Word dropout: hide each real token with probability p, as if it were padding.
+
+    Position 0 ([CLS]) always stays, so no sequence is left empty.
+    """
+    keep = torch.rand(mask.shape, device=mask.device) >= p  # (B, T)
+    keep[:, 0] = True
+    return mask & keep
+
+
 class CTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, num_labels: int = 2):
         super().__init__()
@@ -145,6 +155,8 @@ class CTransformer(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.training and self.cfg.token_dropout > 0:
+            mask = drop_tokens(mask, self.cfg.token_dropout)
         h = self.encoder(ids, mask)  # (B, T, C)
         return self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels) logits
 
