@@ -220,3 +220,47 @@ def test_resume_after_a_signal_equals_an_uninterrupted_run(trained_run, tiny_cfg
     resumed_loss, full_loss = (read_scalars(d)["train/loss"] for d in (split, out))
     assert [s for s, _ in resumed_loss] == [s for s, _ in full_loss]
     assert [v for _, v in resumed_loss] == pytest.approx([v for _, v in full_loss], abs=1e-6)
+
+
+# --------------------------------------------------------------------------- weight averaging
+
+
+def test_ema_follows_the_warm_started_formula_and_swaps_back():
+    import torch
+
+    from transformer_cli.train import Ema
+
+    model = torch.nn.Linear(3, 2)
+    ema = Ema(model, decay=0.9)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for step in range(30):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        ema.update(step)
+        d = min(0.9, (1 + step) / (10 + step))
+        expected = [d * e + (1 - d) * p.detach() for e, p in zip(expected, model.parameters())]
+    for s, e in zip(ema.shadow, expected):
+        torch.testing.assert_close(s, e)
+    own = [p.detach().clone() for p in model.parameters()]
+    with ema.swapped_in():
+        for p, s in zip(model.parameters(), ema.shadow):
+            assert p.equal(s) and not p.equal(own[0] if p.shape == own[0].shape else own[1])
+    for p, o in zip(model.parameters(), own):
+        assert p.equal(o)
+
+
+def test_ema_run_saves_the_average_and_resumes_exactly(synthetic_data_dir, tmp_path):
+    def cfg(name, **kw):
+        return tiny_config(synthetic_data_dir, tmp_path / name, train__epochs=1, train__schedule="constant",
+                           train__warmup_steps=5, train__ema_decay=0.9, **kw)
+
+    full = train(cfg("full"), progress=False)
+    train(cfg("split", train__max_steps=10), progress=False)
+    resumed = train(cfg("split"), resume=True, force=True, progress=False)
+    assert (resumed["val"]["loss"], resumed["val"]["accuracy"]) == (full["val"]["loss"], full["val"]["accuracy"])
+    assert_same_weights(load_file(tmp_path / "split" / ckpt.MODEL_FILE), load_file(tmp_path / "full" / ckpt.MODEL_FILE))
+    # The saved model is the average (validated at the last step here), not the last raw weights.
+    assert full["best_step"] == full["steps"]
+    saved, last = load_file(tmp_path / "full" / ckpt.MODEL_FILE), final_weights(tmp_path / "full")
+    assert any(not saved[k].equal(last[k]) for k in saved)

@@ -108,6 +108,35 @@ class TrainState:
     samples_seen: int = 0
 
 
+class Ema:
+    """Exponential moving average of the weights, warm-started: decay_t = min(decay, (1 + t) / (10 + t))."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.params = list(model.parameters())
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        for s, p in zip(self.shadow, self.params):
+            s.lerp_(p, 1.0 - d)
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """The model holds the averaged weights inside the block, its own weights again after it."""
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self.params]
+            for p, s in zip(self.params, self.shadow):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, o in zip(self.params, own):
+                    p.copy_(o)
+
+
 @dataclass
 class Run:
     cfg: Config
@@ -121,6 +150,7 @@ class Run:
     val: Encoded
     labels: list[str]
     state: TrainState
+    ema: Ema | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -240,9 +270,10 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         fused=fused, foreach=None if fused else True,
     )
     scaler = rt.grad_scaler()
+    ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
     if resume_dir is not None:
-        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, force)
+        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
         _remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
@@ -254,16 +285,19 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         from torch.nn.parallel import DistributedDataParallel
 
         engine = DistributedDataParallel(engine, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-    return Run(cfg, rt, out, model, engine, optimizer, scaler, data.train, data.val, data.labels, state)
+    return Run(cfg, rt, out, model, engine, optimizer, scaler, data.train, data.val, data.labels, state, ema)
 
 
-def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, force: bool) -> TrainState:
+def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None, force: bool) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
     _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
         optimizer.load_state_dict(tensors["optimizer"])
         scaler.load_state_dict(tensors["scaler"])
+        if ema is not None:
+            for s, saved in zip(ema.shadow, tensors["ema"], strict=True):
+                s.copy_(saved)
         rng = tensors["rng"][rt.rank] if rt.rank < len(tensors["rng"]) else tensors["rng"][0]
         _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng)
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
@@ -289,6 +323,8 @@ def save_checkpoint(run: Run) -> Path | None:
             "rng": json_rngs,
         }
         tensors = {"optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": tensor_rngs}
+        if run.ema is not None:
+            tensors["ema"] = run.ema.shadow
         path = ckpt.save_checkpoint(run.out, run.state.step, run.model, train_json, tensors, run.cfg.train.keep_checkpoints)
     run.rt.barrier()
     return path
@@ -380,6 +416,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     finite, stopping = bad == 0, stops > 0
                 if finite:
                     run.scaler.step(run.optimizer)
+                    if run.ema is not None:
+                        run.ema.update(st.step)
                     st.bad_steps_in_row = 0
                 else:
                     st.bad_steps_in_row += 1
@@ -448,15 +486,16 @@ def _log_train(window: dict, st: TrainState, lr: float, grad_norm: float, logger
 
 
 def validate(run: Run, logger: Logger) -> dict:
-    """Validation metrics; saves the weights as the output's model when accuracy improves."""
-    m = evaluate_model(run.model, run.val, run.rt, run.cfg.train.eval_batch_size, len(run.labels))
-    logger.scalars(run.state.step, {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/f1": m["f1"]})
-    st = run.state
-    weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
-    if weights_finite and math.isfinite(m["loss"]) and m["accuracy"] > st.best_val_accuracy:
-        st.best_val_accuracy, st.best_step, st.best_val = m["accuracy"], st.step, m
-        if run.rt.is_main:
-            ckpt.atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
+    """Validation metrics; saves the weights (or their average) as the output's model when accuracy improves."""
+    with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        m = evaluate_model(run.model, run.val, run.rt, run.cfg.train.eval_batch_size, len(run.labels))
+        logger.scalars(run.state.step, {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/f1": m["f1"]})
+        st = run.state
+        weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
+        if weights_finite and math.isfinite(m["loss"]) and m["accuracy"] > st.best_val_accuracy:
+            st.best_val_accuracy, st.best_step, st.best_val = m["accuracy"], st.step, m
+            if run.rt.is_main:
+                ckpt.atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
     return m
 
 
