@@ -1,0 +1,155 @@
+"""The fast inference path (length-sorted, token-budgeted batches; logits gathered once) against the
+reference: one review at a time, unbatched and unpadded. No timings here; speed is measured by
+scripts/bench_infer.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from transformer_cli import evaluate as ev
+from transformer_cli.config import ModelConfig
+from transformer_cli.data import Encoded
+from transformer_cli.model import CTransformer
+from transformer_cli.runtime import Runtime
+
+CPU = Runtime(torch.device("cpu"), None)
+VOCAB, MAX_LEN = 300, 48
+
+
+def random_encoded(n: int, seed: int = 0, max_len: int = MAX_LEN) -> Encoded:
+    """n reviews of random length 1..max_len (each starting with [CLS] = 2), labels 0/1."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len + 1, size=n)
+    lengths[: n // 5] = max_len  # many at max_length, as with truncated IMDB reviews
+    rng.shuffle(lengths)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = rng.integers(5, VOCAB, size=int(offsets[-1])).astype(np.int32)
+    ids[offsets[:-1]] = 2
+    return Encoded(ids, offsets, rng.integers(0, 2, size=n).astype(np.int64))
+
+
+def random_model(seed: int = 0, **cfg) -> CTransformer:
+    torch.manual_seed(seed)
+    mc = ModelConfig(d_model=32, n_heads=4, n_layers=2, ff_mult=2, dropout=0.1, **cfg)
+    return CTransformer(mc, VOCAB, MAX_LEN).eval()
+
+
+@torch.no_grad()
+def one_at_a_time_logits(model, enc: Encoded) -> torch.Tensor:
+    """The reference: each review alone, batch of one, no padding, no mask doing any work."""
+    rows = []
+    for i in range(len(enc)):
+        ids = torch.from_numpy(enc.ids[enc.offsets[i] : enc.offsets[i + 1]].astype(np.int64))[None]
+        rows.append(model(ids, torch.ones_like(ids, dtype=torch.bool))[0])
+    return torch.stack(rows).double()
+
+
+def reference_metrics(model, enc: Encoded) -> dict:
+    logits = one_at_a_time_logits(model, enc)
+    y = torch.from_numpy(enc.labels)
+    confusion = np.zeros((2, 2))
+    np.add.at(confusion, (enc.labels, logits.argmax(-1).numpy()), 1)
+    out = ev.metrics_from_confusion(confusion)
+    out["loss"] = torch.nn.functional.cross_entropy(logits, y).item()
+    return out
+
+
+# --------------------------------------------------------------------------- the batch plan
+
+
+@pytest.mark.parametrize("max_tokens", [None, 1, 40, 100, 333, 10**9])
+@pytest.mark.parametrize("batch_size", [1, 3, 16, 256])
+def test_batch_plan_covers_every_example_once_within_its_limits(batch_size, max_tokens):
+    lengths = random_encoded(97, seed=batch_size).lengths
+    plan = ev.batch_plan(lengths, batch_size, max_tokens)
+    flat = np.concatenate(plan)
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    assert np.all(np.diff(lengths[flat]) >= 0)  # sorted by length, so batches carry little padding
+    for idx in plan:
+        assert 1 <= len(idx) <= batch_size
+        if max_tokens is not None and len(idx) > 1:
+            assert len(idx) * lengths[idx].max() <= max_tokens
+    if max_tokens is None or max_tokens >= batch_size * lengths.max():
+        assert [len(b) for b in plan[:-1]] == [batch_size] * (len(plan) - 1)  # plain fixed-size batches
+
+
+def test_batch_plan_fills_batches_up_to_the_token_budget():
+    lengths = np.array([10] * 8 + [30] * 4)
+    assert [len(b) for b in ev.batch_plan(lengths, 100, 60)] == [6, 2, 2, 2]  # 6x10 then 2x30 (3x30 > 60)
+
+
+def test_ranks_split_the_batches_between_them():
+    enc = random_encoded(50)
+    per_rank = [ev._batches(enc, 4, Runtime(torch.device("cpu"), None, rank=r, world_size=3)) for r in range(3)]
+    flat = [i for batches in per_rank for b in batches for i in b.tolist()]
+    assert sorted(flat) == list(range(50))
+
+
+# --------------------------------------------------------------------------- fast path == reference
+
+
+@pytest.mark.parametrize("cfg", [{}, {"pooling": "max", "norm": "post"}, {"pooling": "first"},
+                                 {"attention": "explicit"}, {"pos_emb": "sinusoidal"}])
+@pytest.mark.parametrize("max_tokens", [64, 200, 10**9])
+def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, monkeypatch):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
+    model, enc = random_model(**cfg), random_encoded(60)
+    fast = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2).double()
+    torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)  # and in input order
+
+
+@pytest.mark.parametrize("max_tokens", [64, 10**9])
+@pytest.mark.parametrize("batch_size", [1, 7, 256])
+def test_evaluate_model_equals_the_reference_metrics(batch_size, max_tokens, monkeypatch):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
+    model, enc = random_model(seed=1, pooling="max"), random_encoded(80, seed=1)
+    model.train()
+    got = ev.evaluate_model(model, enc, CPU, batch_size, 2)
+    assert model.training  # the mode is restored
+    want = reference_metrics(model.eval(), enc)
+    for key in ("confusion_matrix", "num_examples", "accuracy", "precision", "recall", "f1"):
+        assert got[key] == want[key], key
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["examples_per_sec"] > 0
+
+
+def test_evaluate_model_on_an_empty_share_of_the_batches(monkeypatch):
+    enc = random_encoded(1)  # one batch: rank 1 of 2 gets none, and its sums are zero
+    rt = Runtime(torch.device("cpu"), None, rank=1, world_size=2)
+    monkeypatch.setattr(rt, "all_sum", lambda values: values)  # no process group: only this rank's sums
+    m = ev.evaluate_model(random_model(), enc, rt, 8, 2)
+    assert m["num_examples"] == 0 and m["loss"] == 0.0
+
+
+def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, test_rows, monkeypatch):
+    from transformer_cli.checkpoint import load_model_dir
+    from transformer_cli.data import encode_texts
+
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 300)  # many batches of different sizes
+    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    d = cfg.data
+    texts = [r["text"] for r in test_rows[:70]]
+    probs = ev.predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, CPU, batch_size=9)
+    ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
+    want = one_at_a_time_logits(model, Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))).softmax(-1)
+    assert probs.shape == (70, 2)
+    np.testing.assert_allclose(probs, want.numpy(), atol=1e-5, rtol=0)
+
+
+def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
+    from transformer_cli.checkpoint import load_model_dir
+    from transformer_cli.data import encode_texts
+
+    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    d = cfg.data
+    ids, offsets = encode_texts(tokenizer, [r["text"] for r in test_rows], d.max_length, d.truncation, d.head_fraction)
+    want = reference_metrics(model, Encoded(ids, offsets, np.array([r["label"] for r in test_rows])))
+    got = ev.evaluate_checkpoint(trained_dir, device="cpu")
+    assert got["confusion_matrix"] == want["confusion_matrix"]
+    assert got["accuracy"] == want["accuracy"] and got["f1"] == want["f1"]
+    assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6)
