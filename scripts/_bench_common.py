@@ -1,0 +1,216 @@
+"""Helpers shared by the bench_*.py scripts: hardware header, matmul peak, FLOP count, subprocess
+timing, tables, target checks, JSON.
+
+Not a benchmark itself. The scripts import it as `_bench_common` (the scripts folder is on
+sys.path when a script is run as `python scripts/bench_X.py`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = "../shared/data/imdb"
+now = time.perf_counter
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def _cpuinfo(key: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def hardware_info() -> dict:
+    """What the numbers were measured on, and how busy the machine was when the run started."""
+    import torch
+
+    from transformer_cli.runtime import cpu_has_fast_bf16
+
+    flags = set(_cpuinfo("flags").split())
+    simd = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "avx_vnni"))
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": _cpuinfo("model name") or platform.processor() or "unknown",
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "simd": " ".join(simd) or "no avx2/avx512/amx",
+        "native_bf16": cpu_has_fast_bf16(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def print_header(title: str, info: dict) -> None:
+    load = info["loadavg_1_5_15"]
+    print(f"== {title}\n"
+          f"date     {info['date']}\n"
+          f"cpu      {info['cpu']} ({info['usable_cpus']} usable of {info['logical_cpus']} logical CPUs); "
+          f"{info['simd']}; native bf16: {'yes' if info['native_bf16'] else 'no'}\n"
+          f"torch    {info['torch']}, {info['torch_threads']} threads; python {info['python']}\n"
+          f"load     {load[0]} {load[1]} {load[2]} (1/5/15 min; above 0 before the run = other jobs share the CPUs, "
+          "so compare only figures taken in the same run)\n")
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+class MatmulPeak:
+    """GFLOP/s of a square fp32 torch.mm with this process's threads: the ceiling a run's figures are
+    compared with. Call `sample()` between the measured steps (interleaved, so that it sees the same
+    contention from other jobs as they do); `gflops` is the median. n doubles from 256 up to
+    `max_n`, but not to a size whose product would take over a second."""
+
+    def __init__(self, max_n: int = 2048):
+        import torch
+
+        n = 256
+        while True:
+            self.a, self.b, self.out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+            torch.mm(self.a, self.b, out=self.out)  # warm-up: primitive creation, page faults
+            t0 = now()
+            torch.mm(self.a, self.b, out=self.out)
+            if n >= max_n or 8 * (now() - t0) > 1.0:
+                break
+            n *= 2
+        self.n, self.times = n, []
+
+    def sample(self, repeats: int = 1) -> None:
+        import torch
+
+        for _ in range(repeats):
+            t0 = now()
+            torch.mm(self.a, self.b, out=self.out)
+            self.times.append(now() - t0)
+
+    @property
+    def gflops(self) -> float:
+        return 2 * self.n**3 / statistics.median(self.times) / 1e9
+
+    def describe(self) -> str:
+        return f"fp32 torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
+
+    def as_dict(self) -> dict:
+        return {"n": self.n, "gflops": self.gflops, "samples": len(self.times), "sec_all": self.times}
+
+
+def forward_flops(d_model: int, n_layers: int, ff_mult: int, batch: int, seq: int, num_classes: int = 2) -> float:
+    """FLOPs of one forward pass of the encoder classifier over a padded (batch, seq) batch.
+
+    Per layer: 2 * (4 + 2 * ff_mult) * d^2 per token for the Q/K/V, output and feed-forward
+    matmuls, and 4 * T^2 * d per sequence for Q K^T and (attention) V; plus the head. Embedding
+    look-ups, norms, softmax and activations are left out (memory-bound, few FLOPs).
+    """
+    tokens = batch * seq
+    per_layer = 2.0 * (4 + 2 * ff_mult) * d_model**2 * tokens + 4.0 * batch * seq**2 * d_model
+    return n_layers * per_layer + 2.0 * batch * d_model * num_classes
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM) in MB. (getrusage's ru_maxrss is not used: on
+    Linux a child started by a large parent inherits the parent's figure at exec.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """This environment, offline (children must never reach for the Hub), plus `extra`."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(extra or {})}
+
+
+def run_timed(cmd: Sequence[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, completed process) of one subprocess run in the repository, output captured."""
+    t0 = now()
+    proc = subprocess.run(list(cmd), env=env or child_env(), cwd=REPO, capture_output=True, text=True, check=False)
+    wall = now() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return wall, proc
+
+
+def last_json_line(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        if line.strip().startswith("{"):
+            return json.loads(line)
+    raise ValueError(f"no JSON line in child output:\n{text[-2000:]}")
+
+
+def venv_script(name: str) -> str:
+    """An entry point installed next to this interpreter (e.g. .venv/bin/tfm), else the name on PATH."""
+    p = Path(sys.executable).parent / name
+    return str(p) if p.exists() else name
+
+
+# --------------------------------------------------------------------------- output
+
+
+def fmt(value, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]], digits: dict[str, int] | None = None) -> None:
+    """rows of dicts; columns = [(key, header)]; numbers right-aligned, text left-aligned."""
+    digits = digits or {}
+    cells = [[fmt(r.get(k), digits.get(k, 1)) for k, _ in columns] for r in rows]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, (_, h) in enumerate(columns)]
+    numeric = [all(isinstance(r.get(k), (int, float)) or r.get(k) is None for r in rows) for k, _ in columns]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    print(line([h for _, h in columns]))
+    print(line(["-" * w for w in widths]))
+    for c in cells:
+        print(line(c))
+
+
+def check(what: str, value: float, target: float, unit: str = "", higher_is_better: bool = True) -> dict:
+    """Print one target line, e.g. `target  (a)/(b) synthetic: 1.67x (target >= 5x): NOT MET`."""
+    ok = value >= target if higher_is_better else value <= target
+    sign = ">=" if higher_is_better else "<="
+    print(f"target  {what}: {value:.3g}{unit} (target {sign} {target:g}{unit}): {'met' if ok else 'NOT MET'}")
+    return {"what": what, "value": value, "target": target, "met": ok}
+
+
+def write_json(path: str | Path | None, obj: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
+        print(f"\nwrote {path}")

@@ -1,0 +1,283 @@
+"""Inference speed: `tfm evaluate` throughput over a split, and `tfm predict` / `tfm --help` cold start.
+
+What it measures
+    (i)  For each model (--checkpoint DIR and/or --untrained-config TOML, each repeatable), the path
+         `tfm evaluate` takes (transformer_cli.evaluate.evaluate_checkpoint), stage by stage, in
+         this process, fp32, with torch's default threads unless --threads:
+           import datasets   once per process (tfm evaluate pays it after loading the model)
+           data prep         prepare_eval_data: load the split, fingerprint it, read the encoded
+                             split from the cache. Timed twice: the first call encodes if the cache
+                             has no entry yet (shown); the second, cached one is what is counted.
+           model             evaluate_model over the split, median of --repeats passes after one
+                             untimed forward of the largest batch; reviews/s, real tokens/s, and
+                             the achieved GFLOP/s (analytic count over the padded batches) as a
+                             share of an fp32 torch.mm peak timed between the passes
+           end to end        reviews / (import datasets + cached data prep + model), i.e. what
+                             `tfm evaluate` gives after the model is loaded; checked against the
+                             issue's 1000 reviews/s, with the GFLOP/s that rate would need
+         --compare-tokens-per-thread 0,2048,4096,8192 also times evaluate_model on a seeded subset
+         (--compare-samples reviews) with each CPU batch budget (transformer_cli.evaluate.
+         CPU_TOKENS_PER_THREAD; 0 = no token budget, plain batches of batch_size reviews as before),
+         interleaved over --compare-rounds rounds, as speed ratios to the shipped default.
+    (ii) Cold start of fresh subprocesses (the first model), median of --runs, interleaved, after one
+         untimed round (so that files are in the page cache): python -c pass, python -c "import
+         torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
+         and predict <= import torch + 0.5 s.
+
+Models
+    --checkpoint OUT          a `tfm train` output directory (e.g. runs/base: base.toml's sizes)
+    --untrained-config TOML   a randomly initialised model of that recipe's sizes (e.g.
+                              configs/seed.toml), with a tokenizer trained on --data by our own
+                              pipeline (cached), in a temporary model directory; the same code
+                              paths run. Its accuracy is meaningless (~0.5); its speed is not.
+
+Examples
+    python scripts/bench_infer.py --checkpoint runs/base --untrained-config configs/seed.toml --json /tmp/infer.json
+    python scripts/bench_infer.py -c runs/base --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import _bench_common as bc
+import numpy as np
+
+TARGET_REVIEWS_PER_SEC = 1000
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", "-c", type=Path, action="append", default=[], help="output directory of `tfm train`")
+    p.add_argument("--untrained-config", type=Path, action="append", default=[], metavar="TOML",
+                   help="benchmark a randomly initialised model of this recipe's sizes")
+    p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset to evaluate on (and to train tokenizers on)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--max-samples", type=int, default=None, help="evaluate a seeded subset of this size")
+    p.add_argument("--max-train-samples", type=int, default=None,
+                   help="--untrained-config: train the tokenizer on this many reviews (quick runs)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the model's train.eval_batch_size")
+    p.add_argument("--repeats", type=int, default=1, help="timed evaluate_model passes over the split (median)")
+    p.add_argument("--compare-tokens-per-thread", default=None, metavar="N,N,...",
+                   help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
+    p.add_argument("--compare-samples", type=int, default=1000)
+    p.add_argument("--compare-rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads in this process")
+    p.add_argument("--runs", type=int, default=5, help="timed runs of each cold-start command (median)")
+    p.add_argument("--text", default="A wonderful film: the acting was superb and I loved every minute of it.")
+    p.add_argument("--skip-throughput", action="store_true", help="only measure cold start (ii)")
+    p.add_argument("--skip-cold-start", action="store_true", help="only measure throughput (i)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    args = p.parse_args(argv)
+    if not args.checkpoint and not args.untrained_config:
+        p.error("pass at least one --checkpoint DIR or --untrained-config TOML")
+    if args.repeats < 1 or args.runs < 1 or args.compare_rounds < 1:
+        p.error("--repeats, --runs and --compare-rounds must be at least 1")
+    return args
+
+
+def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
+    """Write config.json, tokenizer.json and random weights as `tfm train` would."""
+    import torch
+
+    from transformer_cli import checkpoint as ckpt
+    from transformer_cli.config import load_config
+    from transformer_cli.data import prepare_train_data
+    from transformer_cli.model import CTransformer
+
+    overrides = {"data.source": args.data}
+    if args.max_train_samples:
+        overrides.update({"data.max_train_samples": args.max_train_samples, "data.max_eval_samples": 1})
+    cfg = load_config(config_path, overrides)
+    t0 = bc.now()
+    prepared = prepare_train_data(cfg.data, cfg.train.seed)  # trains (or loads) the tokenizer
+    vocab = prepared.tokenizer.get_vocab_size()
+    torch.manual_seed(cfg.train.seed)
+    model = CTransformer(cfg.model, vocab, cfg.data.max_length, len(prepared.labels))
+    ckpt.save_model_files(where, cfg.to_dict(), prepared.tokenizer.to_str(), prepared.labels, vocab)
+    ckpt.atomic_write_bytes(where / ckpt.MODEL_FILE, ckpt.state_bytes(model))
+    print(f"random {config_path} model in {where}: tokenizer ({vocab} entries) ready in {bc.now() - t0:.1f} s")
+    return where
+
+
+# --------------------------------------------------------------------------- (i) throughput
+
+
+def subset(enc, n: int, seed: int = 0):
+    """A seeded random subset of n reviews of an Encoded split."""
+    from transformer_cli.data import Encoded
+
+    idx = np.sort(np.random.default_rng(seed).permutation(len(enc))[:n])
+    lengths = enc.lengths[idx]
+    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.concatenate([enc.ids[enc.offsets[i] : enc.offsets[i + 1]] for i in idx])
+    return Encoded(ids, offsets, enc.labels[idx])
+
+
+def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
+    import torch
+
+    from transformer_cli import evaluate as ev
+    from transformer_cli.checkpoint import load_model_dir
+    from transformer_cli.data import cache_dir, collate, prepare_eval_data
+    from transformer_cli.runtime import make_runtime
+
+    rt = make_runtime("cpu", "fp32")  # what evaluate_checkpoint runs with here ("auto" = the CPU)
+    t0 = bc.now()
+    model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    load_sec = bc.now() - t0
+    cfg = cfg.replace(data={"source": args.data})
+    entries = set(cache_dir(cfg.data).glob("encoded-*.npz"))
+    t0 = bc.now()
+    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples)
+    first_prep_sec = bc.now() - t0
+    encoded = bool(set(cache_dir(cfg.data).glob("encoded-*.npz")) - entries)
+    t0 = bc.now()
+    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples)
+    prep_sec = bc.now() - t0
+
+    m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
+    batches = ev._batches(enc, batch_size, rt)
+    flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), int(enc.lengths[i].max())) for i in batches)
+    padded = sum(len(i) * int(enc.lengths[i].max()) for i in batches)
+    real_tokens = int(enc.lengths.sum())
+    with torch.inference_mode():  # untimed warm-up on the largest batch (oneDNN primitives, allocator)
+        model(*rt.tensors(*collate(enc, max(batches, key=lambda i: len(i) * enc.lengths[i].max())))[:2])
+    peak, times = bc.MatmulPeak(), []
+    for _ in range(args.repeats):
+        t0 = bc.now()
+        metrics = ev.evaluate_model(model, enc, rt, batch_size, len(labels))
+        times.append(bc.now() - t0)
+        peak.sample(3)
+    model_sec = statistics.median(times)
+    e2e_sec = import_datasets_sec + prep_sec + model_sec
+    e2e_gflops = flops / e2e_sec / 1e9
+    rows = [
+        {"stage": "import datasets (once per process)", "sec": import_datasets_sec},
+        {"stage": "data prep, first call (" + ("encoded the split" if encoded else "cache hit") + ")",
+         "sec": first_prep_sec, "reviews_per_sec": n / first_prep_sec},
+        {"stage": "data prep, cached", "sec": prep_sec, "reviews_per_sec": n / prep_sec},
+        {"stage": f"model: evaluate_model (median of {args.repeats})", "sec": model_sec, "reviews_per_sec": n / model_sec,
+         "tokens_per_sec": real_tokens / model_sec, "gflops": flops / model_sec / 1e9,
+         "pct_peak": 100 * flops / model_sec / 1e9 / peak.gflops},
+        {"stage": "end to end after load: import + cached prep + model", "sec": e2e_sec, "reviews_per_sec": n / e2e_sec,
+         "tokens_per_sec": real_tokens / e2e_sec, "gflops": e2e_gflops, "pct_peak": 100 * e2e_gflops / peak.gflops},
+    ]
+    params = sum(p.numel() for p in model.parameters())
+    print(f"-- (i) evaluate {model_dir}: d={m.d_model}, {m.n_heads} heads, {m.n_layers} layers, {m.norm}-norm, "
+          f"{m.pooling} pooling, {params:,} params; {n} {args.split} reviews, {real_tokens:,} real tokens, "
+          f"{len(batches)} batches (<= {batch_size} reviews, <= {ev.cpu_batch_tokens()} padded tokens), "
+          f"{100 * (1 - real_tokens / padded):.1f}% padding, {torch.get_num_threads()} threads; load {load_sec:.2f} s")
+    bc.print_table(rows, [("stage", "stage"), ("sec", "seconds"), ("reviews_per_sec", "reviews/s"),
+                          ("tokens_per_sec", "tokens/s"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
+                   digits={"sec": 2, "gflops": 1})
+    need = TARGET_REVIEWS_PER_SEC * flops / n / 1e9
+    print(f"   peak: {peak.describe()}, between the passes; accuracy {metrics['accuracy']:.4f} (a sanity check only)")
+    print(f"   {TARGET_REVIEWS_PER_SEC} reviews/s would take {need:.0f} GFLOP/s = {need / peak.gflops:.1f}x that peak")
+    check = bc.check(f"reviews/s end to end after load, {model_dir}", n / e2e_sec, TARGET_REVIEWS_PER_SEC)
+    result = {"model_dir": str(model_dir), "reviews": n, "batches": len(batches), "batch_size": batch_size,
+              "real_tokens": real_tokens, "padded_tokens": padded, "flops": flops, "params": params,
+              "load_sec": load_sec, "model_sec_all": times, "matmul_peak": peak.as_dict(),
+              "accuracy": metrics["accuracy"], "rows": rows, "target": check}
+    if args.compare_tokens_per_thread:
+        result["compare"] = compare_budgets(model, enc, rt, batch_size, len(labels), args)
+    print()
+    return result
+
+
+def compare_budgets(model, enc, rt, batch_size: int, num_labels: int, args) -> list[dict]:
+    from transformer_cli import evaluate as ev
+
+    values = [int(v) for v in args.compare_tokens_per_thread.split(",")]
+    default = ev.CPU_TOKENS_PER_THREAD
+    values = [default] + [v for v in values if v != default]
+    part = subset(enc, min(args.compare_samples, len(enc)))
+    times: dict[int, list[float]] = {v: [] for v in values}
+    try:
+        for _ in range(args.compare_rounds):
+            for v in values:
+                ev.CPU_TOKENS_PER_THREAD = v
+                t0 = bc.now()
+                ev.evaluate_model(model, part, rt, batch_size, num_labels)
+                times[v].append(bc.now() - t0)
+    finally:
+        ev.CPU_TOKENS_PER_THREAD = default
+    rows = []
+    for v, ts in times.items():
+        label = "none (batches of batch_size reviews)" if v == 0 else str(v)
+        rows.append({"tokens_per_thread": label + (" (default)" if v == default else ""),
+                     "median_sec": statistics.median(ts), "reviews_per_sec": len(part) / statistics.median(ts),
+                     "vs_default": statistics.median(d / t for d, t in zip(times[default], ts))})
+    print(f"   CPU batch budget, {len(part)} reviews, {args.compare_rounds} interleaved rounds:")
+    bc.print_table(rows, [("tokens_per_thread", "tokens/thread"), ("median_sec", "seconds"),
+                          ("reviews_per_sec", "reviews/s"), ("vs_default", "speed / default's")],
+                   digits={"median_sec": 2, "vs_default": 2})
+    return rows
+
+
+# --------------------------------------------------------------------------- (ii) cold start
+
+
+def cold_start(model_dir: Path, args) -> dict:
+    py, tfm = sys.executable, bc.venv_script("tfm")
+    commands = {
+        "python -c pass": [py, "-c", "pass"],
+        "python -c 'import torch'": [py, "-c", "import torch"],
+        "tfm --help": [tfm, "--help"],
+        "tfm predict -c MODEL TEXT": [tfm, "predict", "-c", str(model_dir), args.text],
+    }
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    for r in range(args.runs + 1):  # round 0 is the untimed warm-up
+        for name, cmd in commands.items():
+            wall, proc = bc.run_timed(cmd)
+            if r:
+                times[name].append(wall)
+    rows = [{"command": k, "median_sec": statistics.median(v), "min_sec": min(v), "max_sec": max(v)} for k, v in times.items()]
+    med = {r["command"]: r["median_sec"] for r in rows}
+    print(f"-- (ii) cold start: fresh processes, median of {args.runs} runs after one untimed round; model {model_dir}")
+    bc.print_table(rows, [("command", "command"), ("median_sec", "median s"), ("min_sec", "min s"), ("max_sec", "max s")],
+                   digits={"median_sec": 3, "min_sec": 3, "max_sec": 3})
+    print(f"   predict printed: {proc.stdout.strip()[:100]}")
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        print("   note: PYTHONDONTWRITEBYTECODE is set, so transformer_cli's modules are compiled on every start")
+    over = med["tfm predict -c MODEL TEXT"] - med["python -c 'import torch'"]
+    checks = [bc.check("tfm --help", med["tfm --help"], 0.5, " s", higher_is_better=False),
+              bc.check("tfm predict - import torch", over, 0.5, " s", higher_is_better=False)]
+    print()
+    return {"rows": rows, "predict_minus_import_torch_sec": over, "targets": checks}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    bc.set_threads(args.threads)
+    info = bc.hardware_info()
+    bc.print_header("bench_infer: evaluate throughput and predict cold start", info)
+    t0 = bc.now()
+    import datasets  # noqa: F401  (timed: `tfm evaluate` imports it after loading the model)
+
+    import_datasets_sec = bc.now() - t0
+    results: dict = {"hardware": info, "args": {k: str(v) for k, v in vars(args).items()}, "throughput": []}
+    tmp = Path(tempfile.mkdtemp(prefix="tfm-bench-infer-"))
+    try:
+        dirs = list(args.checkpoint)
+        for i, config in enumerate(args.untrained_config):
+            dirs.append(untrained_model_dir(config, args, tmp / f"model{i}"))
+        print()
+        if not args.skip_throughput:
+            results["throughput"] = [throughput(d, args, import_datasets_sec) for d in dirs]
+        if not args.skip_cold_start:
+            results["cold_start"] = cold_start(dirs[0], args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    bc.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Training-step speed of our CTransformer against a naive reference and torch.nn.TransformerEncoder.
+
+What it measures
+    One process times full training steps (forward, backward, gradient clipping at 1.0, optimizer
+    step, loss.item()) of these variants on the SAME batches, all with the same sizes (default: the
+    reference notebook's emb 128, 8 heads, depth 3, ff 4x, vocab 50k, T=256, batch 32) and fp32:
+
+      (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped as
+           transformer_cli.train.fit steps it on a CPU (AdamW over model.param_groups with
+           foreach=True, cross-entropy, clip_grad_norm_; fused SDPA attention with the padding mask)
+      (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
+           linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
+           emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
+           log_softmax + nll_loss, torch.optim.Adam with its CPU default (for-loop) implementation.
+           As in the notebook it has no padding mask: padded batches go in as they are.
+      (c)  torch.nn.TransformerEncoder (batch_first, post-norm, ReLU, src_key_padding_mask) with the
+           same embeddings, masked max pooling and a linear head; Adam.
+    Optional (--variants): a_explicit = (a) with model.attention = "explicit" (written-out
+    softmax(QK^T)V instead of SDPA), and a_bf16 = (a) under bf16 autocast (on by default only on a
+    CPU with native bf16; emulated bf16 is ~16x slower and `tfm train` refuses it).
+
+    Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
+    (batch i is run by every variant before batch i+1), so contention from other jobs that comes
+    and goes hits all variants alike; the first --warmup batches are untimed.
+
+Modes
+    synthetic  fixed-length batches (B x --seq-len) of random token ids, no padding
+    imdb       the first batches of epoch 0 exactly as `tfm train` draws them from --data
+               (prepare_train_data -> BucketSampler -> collate): length-bucketed, padded, with
+               the padding mask; the tokenizer (--vocab) is trained on the first run and cached
+
+How to read the table
+    ms/step     median wall time of a timed step (min ms: the least disturbed one)
+    samples/s   timed samples / total timed seconds; tokens/s counts real (non-pad) tokens
+    vs (b)      samples/s over the naive reference's in the same mode (same batches): the speedup
+    GFLOP/s     analytic FLOPs of a step (3 x forward; forward = 2 x matmul weights x padded tokens
+                + 4 B T^2 d per layer for attention, see _bench_common.forward_flops) / time. The
+                same count for every variant, so it is a speed ratio too.
+    % peak      GFLOP/s over the peak: a square fp32 torch.mm with the same threads, timed once
+                per batch between the variants' steps (so under the same contention), median.
+                It bounds every ratio: no variant doing the same FLOPs can beat (b) by more than
+                peak / GFLOP/s of (b), printed as "ceiling".
+    target      the issue's targets: (a) >= 5x (b) on synthetic T=256 (below 3x is not done), and
+                (a) samples/s on real bucketed batches >= on synthetic ones.
+
+Examples
+    python scripts/bench_train.py --json /tmp/bench_train.json      # the full run, both modes
+    python scripts/bench_train.py --mode synthetic --steps 2 --warmup 1
+    python scripts/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import _bench_common as bc
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARIANTS = {
+    "a": "(a) ours",
+    "a_explicit": "(a) ours, explicit attention",
+    "a_bf16": "(a) ours, bf16 autocast",
+    "b": "(b) naive former-style",
+    "c": "(c) nn.TransformerEncoder",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from transformer_cli.runtime import cpu_has_fast_bf16
+
+    default_variants = "a,b,c" + (",a_bf16" if cpu_has_fast_bf16() else "")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["synthetic", "imdb", "both"], default="both")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--ff-mult", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256, help="T of synthetic batches; max_length in imdb mode")
+    p.add_argument("--vocab", type=int, default=50_000, help="vocabulary size (imdb: the tokenizer's target size)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout of every variant")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant and mode")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
+    p.add_argument("--variants", default=default_variants, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
+    p.add_argument("--max-train-samples", type=int, default=None, help="imdb mode: use this many training reviews")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := [v for v in args.variants if v not in VARIANTS]:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if args.d_model % args.heads:
+        p.error("--d-model must be divisible by --heads")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+# --------------------------------------------------------------------------- reference models
+
+
+class NaiveSelfAttention(nn.Module):
+    """former's SelfAttention: separate Q/K/V, heads folded into the batch, bmm, no mask."""
+
+    def __init__(self, emb: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.tokeys = nn.Linear(emb, emb, bias=False)
+        self.toqueries = nn.Linear(emb, emb, bias=False)
+        self.tovalues = nn.Linear(emb, emb, bias=False)
+        self.unifyheads = nn.Linear(emb, emb)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, e = x.size()
+        h, s = self.heads, e // self.heads
+        keys = self.tokeys(x).view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        queries = self.toqueries(x).view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        values = self.tovalues(x).view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        queries = queries / (e ** (1 / 4))
+        keys = keys / (e ** (1 / 4))
+        dot = F.softmax(torch.bmm(queries, keys.transpose(1, 2)), dim=2)  # (b*h, t, t)
+        out = torch.bmm(dot, values).view(b, h, t, s)
+        return self.unifyheads(out.transpose(1, 2).contiguous().view(b, t, s * h))
+
+
+class NaiveBlock(nn.Module):
+    """former's TransformerBlock: post-norm attention and ReLU feed-forward, dropout after each."""
+
+    def __init__(self, emb: int, heads: int, ff_mult: int, dropout: float):
+        super().__init__()
+        self.attention = NaiveSelfAttention(emb, heads)
+        self.norm1, self.norm2 = nn.LayerNorm(emb), nn.LayerNorm(emb)
+        self.ff = nn.Sequential(nn.Linear(emb, ff_mult * emb), nn.ReLU(), nn.Linear(ff_mult * emb, emb))
+        self.do = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.do(self.norm1(self.attention(x) + x))
+        return self.do(self.norm2(self.ff(x) + x))
+
+
+class NaiveCTransformer(nn.Module):
+    """former's CTransformer with max pooling; returns log-probabilities. Ignores the mask."""
+
+    def __init__(self, emb, heads, depth, seq_length, num_tokens, num_classes, ff_mult, dropout):
+        super().__init__()
+        self.token_embedding = nn.Embedding(num_tokens, emb)
+        self.pos_embedding = nn.Embedding(seq_length, emb)
+        self.tblocks = nn.Sequential(*(NaiveBlock(emb, heads, ff_mult, dropout) for _ in range(depth)))
+        self.toprobs = nn.Linear(emb, num_classes)
+        self.do = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tokens = self.token_embedding(ids)
+        b, t, e = tokens.size()
+        positions = self.pos_embedding(torch.arange(t))[None, :, :].expand(b, t, e)
+        x = self.tblocks(self.do(tokens + positions))
+        return F.log_softmax(self.toprobs(x.max(dim=1)[0]), dim=1)
+
+
+class TorchEncoderClassifier(nn.Module):
+    """Token + learned position embeddings -> nn.TransformerEncoder -> masked max pooling -> linear."""
+
+    def __init__(self, emb, heads, depth, seq_length, num_tokens, num_classes, ff_mult, dropout):
+        super().__init__()
+        self.tok = nn.Embedding(num_tokens, emb)
+        self.pos = nn.Embedding(seq_length, emb)
+        layer = nn.TransformerEncoderLayer(emb, heads, dim_feedforward=ff_mult * emb, dropout=dropout,
+                                           activation="relu", batch_first=True, norm_first=False)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(emb, num_classes)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(ids) + self.pos.weight[: ids.size(1)])
+        h = self.encoder(x, src_key_padding_mask=~mask)  # True = padding
+        return self.head(h.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(dim=1))
+
+
+# --------------------------------------------------------------------------- variants
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (B, T) int64
+    mask: torch.Tensor  # (B, T) bool, True at real tokens
+    y: torch.Tensor  # (B,) int64
+
+
+@dataclass
+class Variant:
+    key: str
+    step: Callable[[Batch], float]  # one training step; returns the loss
+    params: int
+    times: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def ours(key: str, args, vocab: int) -> Variant:
+    """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
+    from transformer_cli.config import ModelConfig, TrainConfig
+    from transformer_cli.model import CTransformer
+    from transformer_cli.runtime import Runtime
+
+    mc = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, ff_mult=args.ff_mult,
+                     dropout=args.dropout, attention="explicit" if key == "a_explicit" else "auto")
+    tc = TrainConfig()
+    rt = Runtime(torch.device("cpu"), torch.bfloat16 if key == "a_bf16" else None)
+    model = CTransformer(mc, vocab, args.seq_len).train()
+    opt = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(b: Batch) -> float:
+        with rt.autocast():
+            loss = F.cross_entropy(model(b.ids, b.mask).float(), b.y, label_smoothing=tc.label_smoothing)
+        loss.backward()
+        value = loss.item()
+        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return value
+
+    return Variant(key, step, model.num_params())
+
+
+def adam_reference(key: str, model: nn.Module, loss_fn: Callable) -> Variant:
+    """(b) and (c): the plain loop of the notebook: zero_grad, loss, backward, clip 1.0, Adam step."""
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # CPU default: the for-loop implementation
+
+    def step(b: Batch) -> float:
+        opt.zero_grad()
+        loss = loss_fn(model(b.ids, b.mask), b.y)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    return Variant(key, step, sum(p.numel() for p in model.parameters()))
+
+
+def build_variants(args, vocab: int) -> list[Variant]:
+    sizes = (args.d_model, args.heads, args.layers, args.seq_len, vocab, 2, args.ff_mult, args.dropout)
+    out = []
+    for key in args.variants:
+        torch.manual_seed(args.seed)  # the same init stream for every variant
+        if key == "b":
+            out.append(adam_reference(key, NaiveCTransformer(*sizes), F.nll_loss))
+        elif key == "c":
+            out.append(adam_reference(key, TorchEncoderClassifier(*sizes), F.cross_entropy))
+        else:
+            out.append(ours(key, args, vocab))
+    return out
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def synthetic_batches(args, n: int) -> tuple[list[Batch], int, str]:
+    g = torch.Generator().manual_seed(args.seed)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(5, args.vocab, (args.batch_size, args.seq_len), generator=g)
+        ids[:, 0] = 2  # [CLS], as our pipeline starts every review with it
+        mask = torch.ones(args.batch_size, args.seq_len, dtype=torch.bool)
+        batches.append(Batch(ids, mask, torch.randint(0, 2, (args.batch_size,), generator=g)))
+    return batches, args.vocab, f"T={args.seq_len} fixed, no padding"
+
+
+def imdb_batches(args, n: int) -> tuple[list[Batch], int, str]:
+    """The first n batches of epoch 0, as fit() draws them (cycled if there are fewer)."""
+    from transformer_cli.config import DataConfig
+    from transformer_cli.data import BucketSampler, collate, prepare_train_data
+
+    cfg = DataConfig(source=args.data, vocab_size=args.vocab, max_length=args.seq_len,
+                     max_train_samples=args.max_train_samples, max_eval_samples=1)
+    t0 = bc.now()
+    data = prepare_train_data(cfg, args.seed)
+    prep = bc.now() - t0
+    order = BucketSampler(data.train.lengths, args.batch_size, args.seed).batches(0)
+    batches = [Batch(*(torch.from_numpy(a) for a in collate(data.train, order[i % len(order)]))) for i in range(n)]
+    timed = batches[args.warmup:]
+    padded = sum(b.ids.numel() for b in timed)
+    info = (f"{len(data.train)} train reviews (data prep {prep:.1f} s); timed batches: T mean "
+            f"{statistics.fmean(b.ids.size(1) for b in timed):.0f} (max {args.seq_len}), "
+            f"{100 * (1 - sum(int(b.mask.sum()) for b in timed) / padded):.1f}% padding")
+    return batches, data.tokenizer.get_vocab_size(), info
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_mode(mode: str, args) -> dict:
+    n = args.warmup + args.steps
+    batches, vocab, shape = (synthetic_batches if mode == "synthetic" else imdb_batches)(args, n)
+    variants = build_variants(args, vocab)
+    peak = bc.MatmulPeak()
+    for i, b in enumerate(batches):
+        if i >= args.warmup:
+            peak.sample()
+        for v in variants:
+            t0 = bc.now()
+            loss = v.step(b)
+            if i >= args.warmup:
+                v.times.append(bc.now() - t0)
+            if not math.isfinite(loss) and not v.note:
+                v.note = f"non-finite loss at step {i}"
+
+    timed = batches[args.warmup:]
+    samples = sum(b.ids.size(0) for b in timed)
+    tokens = sum(int(b.mask.sum()) for b in timed)
+    flops = sum(3 * bc.forward_flops(args.d_model, args.layers, args.ff_mult, *b.ids.shape) for b in timed)
+    rows = []
+    for v in variants:
+        total = sum(v.times)
+        rows.append({"key": v.key, "variant": VARIANTS[v.key], "params": v.params,
+                     "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
+                     "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
+                     "gflops": flops / total / 1e9, "pct_peak": 100 * flops / total / 1e9 / peak.gflops,
+                     "note": v.note})
+    ref = next((r for r in rows if r["key"] == "b"), None)
+    for r in rows:
+        r["vs_b"] = r["samples_per_sec"] / ref["samples_per_sec"] if ref else None
+
+    print(f"-- {mode}: B={args.batch_size}, {shape}; d={args.d_model}, {args.heads} heads, {args.layers} layers, "
+          f"ff {args.ff_mult}x, vocab {vocab}; {args.steps} timed steps after {args.warmup} warm-up, fp32 unless noted")
+    bc.print_table(rows, [("variant", "variant"), ("ms_median", "ms/step"), ("ms_min", "min ms"),
+                          ("samples_per_sec", "samples/s"), ("tokens_per_sec", "tokens/s"), ("vs_b", "vs (b)"),
+                          ("gflops", "GFLOP/s"), ("pct_peak", "% peak")], digits={"vs_b": 2, "gflops": 2})
+    for r in rows:
+        if r["note"]:
+            print(f"   note {r['variant']}: {r['note']}")
+    print(f"   peak: {peak.describe()}, between the steps")
+    if ref:
+        print(f"   ceiling: peak / (b)'s GFLOP/s = {peak.gflops / ref['gflops']:.2f}x (b): no variant doing these "
+              "FLOPs can be faster than that")
+    print()
+    return {"shape": shape, "timed_samples": samples, "timed_real_tokens": tokens, "flops": flops,
+            "matmul_peak": peak.as_dict(), "rows": rows}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    bc.set_threads(args.threads)
+    info = bc.hardware_info()
+    bc.print_header("bench_train: training-step throughput", info)
+    modes = ["synthetic", "imdb"] if args.mode == "both" else [args.mode]
+    results = {"hardware": info, "args": vars(args), "modes": {mode: run_mode(mode, args) for mode in modes}}
+
+    def sps(mode: str, key: str) -> float | None:
+        rows = results["modes"].get(mode, {}).get("rows", [])
+        return next((r["samples_per_sec"] for r in rows if r["key"] == key), None)
+
+    checks = []
+    if sps("synthetic", "a") and sps("synthetic", "b"):
+        checks.append(bc.check(f"(a) / (b) samples/s, synthetic T={args.seq_len}",
+                               sps("synthetic", "a") / sps("synthetic", "b"), 5.0, "x"))
+    if sps("synthetic", "a") and sps("imdb", "a"):
+        checks.append(bc.check("(a) samples/s, imdb bucketed / synthetic", sps("imdb", "a") / sps("synthetic", "a"), 1.0, "x"))
+    results["targets"] = checks
+    bc.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()
