@@ -14,7 +14,7 @@ LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS
 
 
 def model_cfg(**kw) -> ModelConfig:
-    base = {"d_model": D_MODEL, "n_heads": N_HEADS, "n_layers": 2, "ff_mult": 2, "dropout": 0.0}
+    base = {"d_model": D_MODEL, "n_heads": N_HEADS, "n_layers": 2, "ff_mult": 2, "dropout": 0.0, "token_dropout": 0.0}
     return ModelConfig(**{**base, **kw})
 
 

@@ -99,7 +99,7 @@ class ModelConfig(_Section):
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
-    token_dropout: float = 0.0  # training only: share of input tokens hidden (masked out like padding)
+    token_dropout: float = 0.1  # training only: share of input tokens hidden (masked out like padding)
     pooling: Literal["max", "mean", "first"] = "mean"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
@@ -126,7 +126,7 @@ class DataConfig(_Section):
     tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
     vocab_size: int = 30000
     lowercase: bool = True
-    max_length: int = 256  # tokens per review, including the leading [CLS]
+    max_length: int = 512  # tokens per review, including the leading [CLS]
     truncation: Literal["head", "head_tail"] = "head_tail"
     head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
@@ -167,13 +167,13 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     label_smoothing: float = 0.0
-    ema_decay: float = 0.0  # > 0: validate and save an exponential moving average of the weights
+    ema_decay: float = 0.998  # > 0: validate and save an exponential moving average of the weights
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: bool = False  # torch.compile the model (GPU; measured slower to warm up on CPU)
     log_every: int = 20  # steps between train/* scalars
-    eval_every: int | None = None  # steps between validation passes (besides each epoch end)
+    eval_every: int | None = 352  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     eval_batch_size: int = 256
     test_at_end: bool = False  # evaluate the best model on the test split after training
     checkpoint_every: int | None = 500  # steps between resumable checkpoints (and each epoch end)
@@ -187,7 +187,9 @@ class TrainConfig(_Section):
         for name in positive:
             if getattr(self, name) < 1:
                 self._fail(name, "must be at least 1")
-        for name in ("max_steps", "eval_every", "checkpoint_every", "num_threads"):
+        if self.eval_every is not None and self.eval_every < 0:
+            self._fail("eval_every", "must be at least 0 (0: validate at epoch ends only)")
+        for name in ("max_steps", "checkpoint_every", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
         if not self.lr > 0:
