@@ -12,6 +12,7 @@ repeated, so the script can be stopped and started again; an interrupted trainin
     python scripts/reproduce_imdb.py --data ../shared/data/imdb                  # everything
     python scripts/reproduce_imdb.py --data ../shared/data/imdb --recipes quick --seeds 1337 1 2
     python scripts/reproduce_imdb.py ... --results-dir docs/results               # keep the JSON
+    python scripts/reproduce_imdb.py ... --seeds 1 -- train.num_threads=1       # more tfm train args after --
 
 Training times are what `tfm train` measured (metrics.json: train_time_sec), so they are only
 comparable when nothing else ran on the machine.
