@@ -103,27 +103,6 @@ def test_load_model_dir(model_dir):
     assert cfg.model.d_model == model.encoder.tok_emb.embedding_dim
 
 
-@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal"])
-def test_load_model_dir_builds_without_init_and_equals_a_normal_load(model_dir, pos_emb):
-    import torch
-
-    from transformer_cli.config import Config
-    from transformer_cli.model import CTransformer
-
-    meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
-    edit_config(model_dir, model={**meta["model"], "pos_emb": pos_emb})
-    cfg = Config.from_dict({k: {**meta[k], "pos_emb": pos_emb} if k == "model" else meta[k] for k in ("model", "data", "train")})
-    torch.manual_seed(0)
-    reference = CTransformer(cfg.model, meta["vocab_size"], cfg.data.max_length, len(meta["labels"])).eval()
-    ckpt.atomic_write_bytes(model_dir / ckpt.MODEL_FILE, ckpt.state_bytes(reference))
-
-    model, _, _, _ = ckpt.load_model_dir(model_dir)  # built on the meta device, weights assigned
-    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
-    ids = torch.randint(1, meta["vocab_size"], (3, 20))
-    mask = torch.ones(3, 20, dtype=torch.bool)
-    torch.testing.assert_close(model(ids, mask), reference(ids, mask), rtol=0, atol=0)
-
-
 def test_load_model_dir_refuses_a_missing_directory(tmp_path):
     with pytest.raises(TfmError, match="does not exist"):
         ckpt.load_model_dir(tmp_path / "nothing")

@@ -78,11 +78,8 @@ def state_bytes(model) -> bytes:
     return save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
 
 
-def load_weights(model, path: Path, assign: bool = False) -> None:
-    """Load safetensors weights into `model`, refusing any name or shape mismatch.
-
-    `assign=True` makes the loaded tensors the parameters (for a model built on the meta device).
-    """
+def load_weights(model, path: Path) -> None:
+    """Load safetensors weights into `model`, refusing any name or shape mismatch."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -106,7 +103,7 @@ def load_weights(model, path: Path, assign: bool = False) -> None:
                 f"weights in '{path}' do not match the config: {name} has shape {tuple(t.shape)}, "
                 f"config gives {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(tensors, assign=assign)
+    model.load_state_dict(tensors)
 
 
 # --------------------------------------------------------------------------- the model directory
@@ -151,11 +148,8 @@ def load_model_dir(path: str | Path, device="cpu"):
         raise TfmError(f"tokenizer '{out / TOKENIZER_FILE}' is unreadable ({e})") from None
     if tokenizer.get_vocab_size() != vocab_size:
         raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
-    import torch
-
-    with torch.device("meta"):  # no random init: every parameter comes from the file
-        model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
-    load_weights(model, out / MODEL_FILE, assign=True)
+    model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
+    load_weights(model, out / MODEL_FILE)
     return model.to(device).eval(), cfg, tokenizer, labels
 
 

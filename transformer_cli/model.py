@@ -106,10 +106,9 @@ class Encoder(nn.Module):
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
-    # Always computed on the CPU, also when the model is built on the meta device (see load_model_dir).
-    pos = torch.arange(length, dtype=torch.float32, device="cpu")[:, None]  # (T, 1)
-    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") * (-math.log(10000.0) / dim))
-    table = torch.zeros(length, dim, device="cpu")
+    pos = torch.arange(length, dtype=torch.float32)[:, None]  # (T, 1)
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim)
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq[: dim // 2])
     return table  # (T, C)
