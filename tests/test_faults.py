@@ -273,10 +273,10 @@ def test_sigterm_at_any_step_then_resume_equals_the_uninterrupted_run(resume_run
 
 
 @pytest.mark.parametrize("first", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_stop_signal_sets_the_flag_and_a_second_ctrl_c_aborts_at_once(first):
+def test_a_stop_signal_sets_the_flag_and_a_second_ctrl_c_aborts_at_once(first, tmp_path):
     """train._StopFlag: the first SIGINT/SIGTERM is only noted (training finishes the step and checkpoints);
-    a repeated SIGTERM still means that; a SIGINT after any stop signal raises KeyboardInterrupt (the CLI
-    turns it into "interrupted", exit 130). The handlers in place before are restored afterwards."""
+    a repeated SIGTERM still means that; a SIGINT after any stop signal raises Aborted (exit 130, pointing
+    at the checkpoints to resume from). The handlers in place before are restored afterwards."""
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     outside: list[int] = []
 
@@ -286,15 +286,16 @@ def test_a_stop_signal_sets_the_flag_and_a_second_ctrl_c_aborts_at_once(first):
     try:
         for s in before:
             signal.signal(s, previous)
-        with train_mod._StopFlag() as stop:
+        with train_mod._StopFlag(tmp_path) as stop:
             assert stop.signum is None
             signal.raise_signal(first)
             assert stop.signum == first
             if first == signal.SIGTERM:
                 signal.raise_signal(signal.SIGTERM)
                 assert stop.signum == signal.SIGTERM
-            with pytest.raises(KeyboardInterrupt):
+            with pytest.raises(train_mod.Aborted, match="--resume continues") as aborted:
                 signal.raise_signal(signal.SIGINT)
+            assert aborted.value.exit_code == 130 and str(tmp_path / ckpt.CKPT_DIR) in str(aborted.value)
         assert outside == [], "a signal reached the previous handler while the flag was active"
         assert all(signal.getsignal(s) is previous for s in before), "the previous handlers were not restored"
         signal.raise_signal(signal.SIGINT)

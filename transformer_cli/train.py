@@ -42,6 +42,16 @@ class Interrupted(TfmError):
         self.exit_code = 128 + signum
 
 
+class Aborted(TfmError):
+    """A second Ctrl-C: training stops at once, without writing a checkpoint; exit code 130."""
+
+    exit_code = 130
+
+    def __init__(self, out: Path):
+        super().__init__(f"interrupted twice: stopped at once without a new checkpoint; --resume continues "
+                         f"from the last complete one in '{out / ckpt.CKPT_DIR}'")
+
+
 # --------------------------------------------------------------------------- schedule
 
 
@@ -336,7 +346,8 @@ def save_checkpoint(run: Run) -> Path | None:
 class _StopFlag:
     """First SIGINT/SIGTERM: finish the step, checkpoint, exit. A second SIGINT aborts at once."""
 
-    def __init__(self):
+    def __init__(self, out: Path):
+        self.out = out
         self.signum: int | None = None
         self._old = {}
 
@@ -350,7 +361,7 @@ class _StopFlag:
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise Aborted(self.out)
         self.signum = signum
 
     def __exit__(self, *exc):
@@ -389,7 +400,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     run.engine.train()
     t_start = time.perf_counter() - st.train_time_sec
     stopping = False
-    with _StopFlag() as stop:
+    with _StopFlag(run.out) as stop:
         while st.step < total and st.epoch < tc.epochs:
             groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
             while st.batch_in_epoch < len(groups) and st.step < total:
