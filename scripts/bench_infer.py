@@ -109,18 +109,6 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
 # --------------------------------------------------------------------------- (i) throughput
 
 
-def subset(enc, n: int, seed: int = 0):
-    """A seeded random subset of n reviews of an Encoded split."""
-    from transformer_cli.data import Encoded
-
-    idx = np.sort(np.random.default_rng(seed).permutation(len(enc))[:n])
-    lengths = enc.lengths[idx]
-    offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    ids = np.concatenate([enc.ids[enc.offsets[i] : enc.offsets[i + 1]] for i in idx])
-    return Encoded(ids, offsets, enc.labels[idx])
-
-
 def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     import torch
 
@@ -198,7 +186,9 @@ def compare_budgets(model, enc, rt, batch_size: int, num_labels: int, args) -> l
     values = [int(v) for v in args.compare_tokens_per_thread.split(",")]
     default = ev.CPU_TOKENS_PER_THREAD
     values = [default] + [v for v in values if v != default]
-    part = subset(enc, min(args.compare_samples, len(enc)))
+    from transformer_cli.data import sample_indices
+
+    part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
     times: dict[int, list[float]] = {v: [] for v in values}
     try:
         for _ in range(args.compare_rounds):

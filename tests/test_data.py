@@ -362,3 +362,13 @@ def test_a_single_label_is_refused(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", rows)
     with pytest.raises(TfmError, match="only one label"):
         prepare_train_data(DataConfig(source=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "c")), seed=0)
+
+
+def test_encoded_subset_keeps_the_chosen_reviews_in_the_given_order():
+    lengths = [3, 1, 4, 2]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    enc = Encoded(np.arange(offsets[-1], dtype=np.int32), offsets, np.array([0, 1, 0, 1]))
+    sub = enc.subset(np.array([2, 0]))
+    assert sub.lengths.tolist() == [4, 3] and sub.labels.tolist() == [0, 0]
+    assert sub.ids.tolist() == [4, 5, 6, 7, 0, 1, 2]
+    assert len(enc.subset(np.array([], dtype=np.int64))) == 0

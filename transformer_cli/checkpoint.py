@@ -8,6 +8,7 @@ unpickles: weights are safetensors, metadata JSON, optimizer state `torch.load(w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,6 +37,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+TEMP_FILE = re.compile(r"\..+\.tmp-[0-9]+")  # the names atomic_write_bytes writes to: .NAME.tmp-PID
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +54,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Delete the temp files that killed `atomic_write_bytes` calls left in `folder` (nothing else)."""
+    for path in folder.glob(".*.tmp-*"):
+        if TEMP_FILE.fullmatch(path.name) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -61,6 +61,13 @@ class Encoded:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def subset(self, idx: np.ndarray) -> Encoded:
+        lengths = self.lengths[idx]
+        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.concatenate([self.ids[self.offsets[i] : self.offsets[i + 1]] for i in idx]) if len(idx) else self.ids[:0]
+        return Encoded(ids, offsets, self.labels[idx])
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -246,7 +253,7 @@ def train_tokenizer(texts: list[str], cfg: DataConfig):
     else:
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                             show_progress=False)
+                                       show_progress=False)
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -394,7 +401,7 @@ class Prepared:
     val: Encoded
 
 
-def _sample(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
+def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     """A seeded random subset of n indices, in their original order (datasets are often label-sorted)."""
     if n is None or n >= len(idx):
         return idx
@@ -412,8 +419,8 @@ def prepare_train_data(cfg: DataConfig, seed: int) -> Prepared:
     train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed)
     if len(val_idx) == 0 or len(train_idx) == 0:
         raise TfmError(f"data.val_size = {cfg.val_size} leaves an empty train or validation split of {len(full)} examples")
-    train_idx = _sample(train_idx, cfg.max_train_samples, seed)
-    val_idx = _sample(val_idx, cfg.max_eval_samples, seed)
+    train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
+    val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
     train_raw, val_raw = full.subset(train_idx), full.subset(val_idx)
     train_fp = train_raw.fingerprint()
     tok = cached_tokenizer(train_raw, cfg, train_fp)
@@ -429,7 +436,7 @@ def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int |
     raw, _ = load_splits(cfg, (split,))
     data = raw[split]
     if max_samples is not None:
-        data = data.subset(_sample(np.arange(len(data)), max_samples, seed=0))
+        data = data.subset(sample_indices(np.arange(len(data)), max_samples, seed=0))
     if len(data) == 0:
         raise TfmError(f"split '{split}' of '{cfg.source}' is empty")
     return cached_encode(tokenizer, data, cfg, data.fingerprint())

@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import re
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -241,14 +241,6 @@ def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world:
         )
 
 
-def _remove_stale_temp_files(out: Path) -> None:
-    """Delete the `.NAME.tmp-PID` files (`ckpt.atomic_write_bytes`'s temp names) that killed writes left in `out`."""
-    for path in out.glob(".*.tmp-*"):
-        if re.fullmatch(r"\..+\.tmp-[0-9]+", path.name) and path.is_file():
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
     tc = cfg.train
     out = Path(tc.output_dir)
@@ -286,7 +278,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
     if rt.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
+        ckpt.remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
         ckpt.save_model_files(out, cfg.to_dict(), data.tokenizer.to_str(), data.labels, vocab_size)
     engine: torch.nn.Module = model
     if tc.compile:
@@ -476,8 +468,6 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
 
 def _say(message: str, progress: bool) -> None:
     if progress:
-        import sys
-
         print(message, file=sys.stderr, flush=True)
 
 
