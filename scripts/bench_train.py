@@ -210,7 +210,8 @@ def ours(key: str, args, vocab: int) -> Variant:
     from transformer_cli.runtime import Runtime
 
     mc = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, ff_mult=args.ff_mult,
-                     dropout=args.dropout, attention="explicit" if key == "a_explicit" else "auto")
+                     dropout=args.dropout, attention="explicit" if key == "a_explicit" else "auto",
+                     ngram_buckets=0)  # the naive reference has no n-gram path
     tc = TrainConfig()
     rt = Runtime(torch.device("cpu"), torch.bfloat16 if key == "a_bf16" else None)
     model = CTransformer(mc, vocab, args.seq_len).train()

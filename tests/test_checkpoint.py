@@ -14,7 +14,7 @@ from transformer_cli.model import CTransformer
 
 
 def tiny_model(**kw) -> CTransformer:
-    cfg = ModelConfig(**{"d_model": 16, "n_heads": 2, "n_layers": 1, "ff_mult": 2, **kw})
+    cfg = ModelConfig(**{"d_model": 16, "n_heads": 2, "n_layers": 1, "ff_mult": 2, "ngram_buckets": 0, **kw})
     return CTransformer(cfg, vocab_size=40, max_length=16)
 
 

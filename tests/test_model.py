@@ -7,14 +7,15 @@ from torch import nn
 
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
-from transformer_cli.model import CTransformer, SelfAttention, drop_tokens, pool, sinusoidal_table
+from transformer_cli.model import CTransformer, NgramBag, SelfAttention, drop_tokens, pool, sinusoidal_table
 
 D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
 LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS]
 
 
 def model_cfg(**kw) -> ModelConfig:
-    base = {"d_model": D_MODEL, "n_heads": N_HEADS, "n_layers": 2, "ff_mult": 2, "dropout": 0.0, "token_dropout": 0.0}
+    base = {"d_model": D_MODEL, "n_heads": N_HEADS, "n_layers": 2, "ff_mult": 2, "dropout": 0.0, "token_dropout": 0.0,
+            "ngram_buckets": 0}
     return ModelConfig(**{**base, **kw})
 
 
@@ -174,6 +175,56 @@ def test_param_groups_decay_exactly_the_matrices():
             assert id(p) in no_decay_ids, name
     assert id(named["encoder.tok_emb.weight"]) in decay_ids
     assert id(named["encoder.blocks.0.attn.qkv.weight"]) in decay_ids
+
+
+def reference_ngram_scores(bag: NgramBag, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each row's unigrams and hashed bigrams counted one by one, in float64."""
+    table = bag.table.weight.double()
+    rows = []
+    for b, n in enumerate(lengths):
+        toks = ids[b, :n].tolist()
+        grams = toks + [(a * 1_000_003 + c) % bag.buckets + bag.vocab_size for a, c in zip(toks, toks[1:])]
+        rows.append(sum(table[g] for g in grams) / math.sqrt(len(grams)))
+    return torch.stack(rows)
+
+
+def test_ngram_bag_counts_unigrams_and_bigrams_within_each_row():
+    torch.manual_seed(0)
+    bag = NgramBag(VOCAB, buckets=64, num_labels=3)
+    nn.init.normal_(bag.table.weight)
+    ids, mask = random_batch(LENGTHS)
+    assert torch.allclose(bag(ids, mask).double(), reference_ngram_scores(bag, ids, LENGTHS), atol=1e-5)
+    # A bigram straddling a row's end and its padding never counts: poison every padded position.
+    poisoned = ids.masked_fill(~mask, VOCAB - 1)
+    assert torch.allclose(bag(poisoned, mask), bag(ids, mask), atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_ngram_path_adds_to_the_transformer_logits_and_ignores_padding(attention):
+    torch.manual_seed(0)
+    plain = CTransformer(model_cfg(attention=attention), VOCAB, MAX_LEN).eval()
+    torch.manual_seed(0)
+    wide = CTransformer(model_cfg(attention=attention, ngram_buckets=64), VOCAB, MAX_LEN).eval()
+    ids, mask = random_batch(LENGTHS)
+    with torch.no_grad():
+        assert wide.ngrams.table.weight.abs().sum() == 0  # starts silent: the same logits as without it
+        assert torch.allclose(wide(ids, mask), plain(ids, mask))
+        nn.init.normal_(wide.ngrams.table.weight)
+        expected = plain(ids, mask) + reference_ngram_scores(wide.ngrams, ids, LENGTHS).float()
+        assert torch.allclose(wide(ids, mask), expected, atol=1e-5)
+        ids_padded = torch.cat([ids, torch.full((len(LENGTHS), 5), PAD_ID)], dim=1)
+        mask_padded = torch.cat([mask, torch.zeros(len(LENGTHS), 5, dtype=torch.bool)], dim=1)
+        assert torch.allclose(wide(ids_padded, mask_padded), wide(ids, mask), atol=1e-5)
+
+
+def test_ngram_table_has_its_own_param_group_with_a_scaled_lr():
+    model = CTransformer(model_cfg(ngram_buckets=64, ngram_lr_scale=7.0), VOCAB, MAX_LEN)
+    decay, no_decay, wide = model.param_groups(0.1)
+    assert wide["params"] == [model.ngrams.table.weight]
+    assert (wide["weight_decay"], wide["lr_scale"]) == (0.1, 7.0)
+    assert "lr_scale" not in decay and "lr_scale" not in no_decay
+    grouped = [id(p) for g in (decay, no_decay, wide) for p in g["params"]]
+    assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each parameter exactly once
 
 
 def test_sequences_longer_than_max_length_raise():

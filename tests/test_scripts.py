@@ -26,3 +26,23 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # finished runs are not repeated
     assert again.returncode == 0 and "$ " not in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("| quick |")] == rows
+
+
+def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):
+    from conftest import tiny_config
+
+    from transformer_cli.train import train
+
+    metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256), progress=False)
+    cmd = [sys.executable, str(REPO / "scripts" / "ngram_ablation.py"), str(tmp_path / "run"), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["model"] == metrics["val"]["accuracy"]  # the same split and model as training validated
+    assert set(result) == {"model", "ngrams_only", "transformer_only"}
+    assert all(0.0 <= v <= 1.0 for v in result.values())
+
+    plain = tmp_path / "plain"
+    train(tiny_config(synthetic_data_dir, plain, train__max_steps=2), progress=False)
+    refused = subprocess.run([*cmd[:2], str(plain)], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "without an n-gram path" in refused.stderr

@@ -264,3 +264,19 @@ def test_ema_run_saves_the_average_and_resumes_exactly(synthetic_data_dir, tmp_p
     assert full["best_step"] == full["steps"]
     saved, last = load_file(tmp_path / "full" / ckpt.MODEL_FILE), final_weights(tmp_path / "full")
     assert any(not saved[k].equal(last[k]) for k in saved)
+
+
+def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_dir, tmp_path):
+    from transformer_cli.evaluate import predict_texts
+
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256, model__ngram_lr_scale=4.0,
+                      train__schedule="constant", train__warmup_steps=0, train__max_steps=3)
+    train(cfg, progress=False)
+    _, tensors = ckpt.load_checkpoint(ckpt.checkpoint_dirs(tmp_path / "run")[-1])
+    lr = cfg.train.lr
+    assert [g["lr"] for g in tensors["optimizer"]["param_groups"]] == [lr, lr, 4.0 * lr]
+    saved = load_file(tmp_path / "run" / ckpt.MODEL_FILE)
+    assert saved["ngrams.table.weight"].abs().sum() > 0  # it learned, and was saved with the rest
+    model, _, _, _ = ckpt.load_model_dir(tmp_path / "run")
+    assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
+    assert predict_texts(tmp_path / "run", ["a review"], device="cpu")[0]["label"] in ("neg", "pos")

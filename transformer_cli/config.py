@@ -8,6 +8,7 @@ A run is described by one `Config` with three sections (`model`, `data`, `train`
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -104,11 +105,17 @@ class ModelConfig(_Section):
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
     attention: Literal["auto", "sdpa", "explicit"] = "auto"
+    ngram_buckets: int = 1 << 20  # > 0: a linear path over the bag of unigrams and this many hashed bigrams
+    ngram_lr_scale: float = 60.0  # the n-gram table learns at this multiple of train.lr
 
     def validate(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "ff_mult"):
             if getattr(self, name) < 1:
                 self._fail(name, "must be at least 1")
+        if self.ngram_buckets < 0:
+            self._fail("ngram_buckets", "must be 0 (off) or a positive number of hash buckets")
+        if not (self.ngram_lr_scale > 0 and math.isfinite(self.ngram_lr_scale)):
+            self._fail("ngram_lr_scale", "must be a positive number")
         if self.d_model % self.n_heads:
             self._fail("d_model", f"must be divisible by model.n_heads = {self.n_heads}")
         for name in ("dropout", "attn_dropout", "token_dropout"):

@@ -134,6 +134,27 @@ def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
     return mask & keep
 
 
+class NgramBag(nn.Module):
+    """The wide path: a linear model over the bag of token unigrams and hashed bigrams.
+
+    Each n-gram owns a vector of label scores; a text scores their sum over sqrt(count).
+    Rows [0, vocab_size) are the unigrams (token ids), the next `buckets` rows the bigrams.
+    """
+
+    def __init__(self, vocab_size: int, buckets: int, num_labels: int):
+        super().__init__()
+        self.vocab_size, self.buckets = vocab_size, buckets
+        self.table = nn.Embedding(vocab_size + buckets, num_labels)
+        nn.init.zeros_(self.table.weight)  # starts silent: the transformer's logits alone
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        bigrams = (ids[:, :-1] * 1_000_003 + ids[:, 1:]) % self.buckets + self.vocab_size  # (B, T-1)
+        grams = torch.cat([ids, bigrams], dim=1)  # (B, 2T-1)
+        keep = torch.cat([mask, mask[:, :-1] & mask[:, 1:]], dim=1)  # (B, 2T-1)
+        scores = self.table(grams) * keep.unsqueeze(-1)  # (B, 2T-1, num_labels)
+        return scores.sum(dim=1) / keep.sum(dim=1, keepdim=True).sqrt().to(scores.dtype)
+
+
 class CTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, num_labels: int = 2):
         super().__init__()
@@ -145,6 +166,7 @@ class CTransformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.proj.weight", "ff.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self.ngrams = NgramBag(vocab_size, cfg.ngram_buckets, num_labels) if cfg.ngram_buckets else None
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -158,15 +180,25 @@ class CTransformer(nn.Module):
         if self.training and self.cfg.token_dropout > 0:
             mask = drop_tokens(mask, self.cfg.token_dropout)
         h = self.encoder(ids, mask)  # (B, T, C)
-        return self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels) logits
+        logits = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
+        if self.ngrams is not None:
+            logits = logits + self.ngrams(ids, mask)
+        return logits
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Weight decay on matrices (linear and embedding weights) only, not biases or norms."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
+        """Weight decay on matrices (linear and embedding weights) only, not biases or norms.
+
+        The n-gram table, a linear model, learns at `ngram_lr_scale` times the rate (`lr_scale`).
+        """
+        wide = [] if self.ngrams is None else [self.ngrams.table.weight]
+        params = [p for p in self.parameters() if p.requires_grad and not any(p is w for w in wide)]
+        groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+        if wide:
+            groups.append({"params": wide, "weight_decay": weight_decay, "lr_scale": self.cfg.ngram_lr_scale})
+        return groups
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -399,7 +399,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 group = groups[st.batch_in_epoch]
                 lr = lr_at(st.step, total, tc)
                 for g in run.optimizer.param_groups:
-                    g["lr"] = lr
+                    g["lr"] = lr * g.get("lr_scale", 1.0)
                 loss_sum, n_samples = 0.0, 0
                 for j, idx in enumerate(group):
                     ids, mask, y = rt.tensors(*collate(run.train, idx))

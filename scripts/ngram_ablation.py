@@ -1,0 +1,69 @@
+"""How much each path of a trained model with an n-gram path (`model.ngram_buckets > 0`) contributes.
+
+The classifier's logits are the transformer's plus the n-gram table's. This script scores a run's
+validation split three ways: the whole model, the transformer alone (n-gram table zeroed) and the
+n-gram path alone. The validation split is rebuilt exactly as `tfm train` held it out (same seed).
+
+    python scripts/ngram_ablation.py runs/tfm --data ../shared/data/imdb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+
+class NgramsOnly(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model.ngrams(ids, mask)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", help="a `tfm train` output directory")
+    ap.add_argument("--data", help="the dataset it was trained on, if not its config's data.source")
+    ap.add_argument("--json", action="store_true", help="print the accuracies as JSON")
+    args = ap.parse_args()
+
+    from transformer_cli.checkpoint import load_model_dir
+    from transformer_cli.data import prepare_train_data
+    from transformer_cli.evaluate import evaluate_model
+    from transformer_cli.runtime import make_runtime
+
+    rt = make_runtime("cpu", "fp32")
+    model, cfg, tokenizer, labels = load_model_dir(args.run, rt.device)
+    if model.ngrams is None:
+        raise SystemExit(f"error: '{args.run}' was trained without an n-gram path (model.ngram_buckets = 0)")
+    if args.data:
+        cfg = cfg.replace(data={"source": args.data})
+    data = prepare_train_data(cfg.data, cfg.train.seed)
+    if data.tokenizer.to_str() != tokenizer.to_str():
+        raise SystemExit("error: the rebuilt validation split's tokenizer differs from the run's; pass the run's --data")
+
+    def accuracy(m: nn.Module) -> float:
+        return evaluate_model(m, data.val, rt, cfg.train.eval_batch_size, len(labels))["accuracy"]
+
+    table = model.ngrams.table.weight
+    result = {"model": accuracy(model), "ngrams_only": accuracy(NgramsOnly(model))}
+    with torch.no_grad():
+        saved = table.clone()
+        table.zero_()
+        result["transformer_only"] = accuracy(model)
+        table.copy_(saved)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"validation accuracy of {args.run} ({len(data.val)} reviews)")
+    for name, acc in result.items():
+        print(f"  {name:<17} {acc:.2%}")
+
+
+if __name__ == "__main__":
+    main()
