@@ -280,3 +280,16 @@ def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_
     model, _, _, _ = ckpt.load_model_dir(tmp_path / "run")
     assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
     assert predict_texts(tmp_path / "run", ["a review"], device="cpu")[0]["label"] in ("neg", "pos")
+
+
+def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp_path):
+    def cfg(**kw):
+        return tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=64, **kw)
+
+    train(cfg(train__max_steps=2), progress=False)
+    train(cfg(train__max_steps=3, train__weight_decay=0.0, train__beta2=0.9, model__ngram_lr_scale=3.0),
+          resume=True, force=True, progress=False)
+    _, tensors = ckpt.load_checkpoint(ckpt.checkpoint_dirs(tmp_path / "run")[-1])
+    groups = tensors["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0, 0.0]
+    assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups) and groups[2]["lr_scale"] == 3.0

@@ -295,7 +295,12 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
+        # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
+        # group's lr_scale) stay this run's, which differ from the checkpoint's only under --force.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(tensors["optimizer"])
+        for group, own in zip(optimizer.param_groups, settings, strict=True):
+            group.update(own)
         scaler.load_state_dict(tensors["scaler"])
         if ema is not None:
             for s, saved in zip(ema.shadow, tensors["ema"], strict=True):
