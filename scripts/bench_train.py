@@ -16,8 +16,9 @@ What it measures
       (c)  torch.nn.TransformerEncoder (batch_first, post-norm, ReLU, src_key_padding_mask) with the
            same embeddings, masked max pooling and a linear head; Adam.
     Optional (--variants): a_explicit = (a) with model.attention = "explicit" (written-out
-    softmax(QK^T)V instead of SDPA), and a_bf16 = (a) under bf16 autocast (on by default only on a
-    CPU with native bf16; emulated bf16 is ~16x slower and `tfm train` refuses it).
+    softmax(QK^T)V instead of SDPA), a_bf16 = (a) under bf16 autocast (on by default only on a
+    CPU with native bf16; emulated bf16 is ~16x slower and `tfm train` refuses it), and a_ngrams =
+    (a) plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b)).
 
     Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
     (batch i is run by every variant before batch i+1), so contention from other jobs that comes
@@ -66,6 +67,7 @@ VARIANTS = {
     "a": "(a) ours",
     "a_explicit": "(a) ours, explicit attention",
     "a_bf16": "(a) ours, bf16 autocast",
+    "a_ngrams": "(a) ours + n-gram path",
     "b": "(b) naive former-style",
     "c": "(c) nn.TransformerEncoder",
 }
@@ -211,7 +213,7 @@ def ours(key: str, args, vocab: int) -> Variant:
 
     mc = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, ff_mult=args.ff_mult,
                      dropout=args.dropout, attention="explicit" if key == "a_explicit" else "auto",
-                     ngram_buckets=0)  # the naive reference has no n-gram path
+                     ngram_buckets=ModelConfig.ngram_buckets if key == "a_ngrams" else 0)
     tc = TrainConfig()
     rt = Runtime(torch.device("cpu"), torch.bfloat16 if key == "a_bf16" else None)
     model = CTransformer(mc, vocab, args.seq_len).train()
