@@ -94,9 +94,9 @@ def _type_name(tp: Any) -> str:
 @dataclass(frozen=True)
 class ModelConfig(_Section):
     _name = "model"
-    d_model: int = 128  # embedding / residual width
-    n_heads: int = 8
-    n_layers: int = 3
+    d_model: int = 64  # embedding / residual width
+    n_heads: int = 4
+    n_layers: int = 2
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
@@ -133,7 +133,7 @@ class DataConfig(_Section):
     tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
     vocab_size: int = 30000
     lowercase: bool = True
-    max_length: int = 512  # tokens per review, including the leading [CLS]
+    max_length: int = 1024  # tokens per review, including the leading [CLS]
     truncation: Literal["head", "head_tail"] = "head_tail"
     head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
@@ -160,11 +160,11 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     _name = "train"
     output_dir: str = "runs/tfm"
-    epochs: int = 3
+    epochs: int = 1
     max_steps: int | None = None  # stop after this many optimizer steps, whatever the epochs
     batch_size: int = 32  # examples per optimizer step, summed over processes and accumulation
     grad_accum_steps: int = 1
-    lr: float = 5e-4
+    lr: float = 1e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.98
@@ -174,13 +174,13 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     label_smoothing: float = 0.0
-    ema_decay: float = 0.998  # > 0: validate and save an exponential moving average of the weights
+    ema_decay: float = 0.0  # > 0: validate and save an exponential moving average of the weights
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: bool = False  # torch.compile the model (GPU; measured slower to warm up on CPU)
     log_every: int = 20  # steps between train/* scalars
-    eval_every: int | None = 352  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
+    eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     eval_batch_size: int = 256
     test_at_end: bool = False  # evaluate the best model on the test split after training
     checkpoint_every: int | None = 500  # steps between resumable checkpoints (and each epoch end)
