@@ -34,16 +34,20 @@ def main() -> None:
 
     from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_train_data
+    from transformer_cli.errors import TfmError
     from transformer_cli.evaluate import evaluate_model
     from transformer_cli.runtime import make_runtime
 
     rt = make_runtime("cpu", "fp32")
-    model, cfg, tokenizer, labels = load_model_dir(args.run, rt.device)
-    if model.ngrams is None:
-        raise SystemExit(f"error: '{args.run}' was trained without an n-gram path (model.ngram_buckets = 0)")
-    if args.data:
-        cfg = cfg.replace(data={"source": args.data})
-    data = prepare_train_data(cfg.data, cfg.train.seed)
+    try:
+        model, cfg, tokenizer, labels = load_model_dir(args.run, rt.device)
+        if model.ngrams is None:
+            raise SystemExit(f"error: '{args.run}' was trained without an n-gram path (model.ngram_buckets = 0)")
+        if args.data:
+            cfg = cfg.replace(data={"source": args.data})
+        data = prepare_train_data(cfg.data, cfg.train.seed)
+    except TfmError as e:
+        raise SystemExit(f"error: {e}") from None
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise SystemExit("error: the rebuilt validation split's tokenizer differs from the run's; pass the run's --data")
 

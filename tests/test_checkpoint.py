@@ -103,6 +103,14 @@ def test_load_model_dir(model_dir):
     assert cfg.model.d_model == model.encoder.tok_emb.embedding_dim
 
 
+def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
+    meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
+    assert meta["model"].pop("ngram_buckets") == 0 and meta["model"].pop("ngram_lr_scale")  # tiny.toml: off
+    (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
+    model, cfg, _, _ = ckpt.load_model_dir(model_dir)
+    assert cfg.model.ngram_buckets == 0 and model.ngrams is None
+
+
 def test_load_model_dir_refuses_a_missing_directory(tmp_path):
     with pytest.raises(TfmError, match="does not exist"):
         ckpt.load_model_dir(tmp_path / "nothing")

@@ -46,3 +46,5 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     train(tiny_config(synthetic_data_dir, plain, train__max_steps=2), progress=False)
     refused = subprocess.run([*cmd[:2], str(plain)], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 1 and "without an n-gram path" in refused.stderr
+    missing = subprocess.run([*cmd[:2], str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600)
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr

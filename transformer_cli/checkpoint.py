@@ -150,7 +150,10 @@ def load_model_dir(path: str | Path, device="cpu"):
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
     try:
-        cfg = Config.from_dict({k: meta[k] for k in ("model", "data", "train")})
+        sections = {k: meta[k] for k in ("model", "data", "train")}
+        # Models saved before the n-gram path existed have no such key: they have no such path.
+        sections["model"] = {"ngram_buckets": 0, **sections["model"]}
+        cfg = Config.from_dict(sections)
         labels, vocab_size = list(meta["labels"]), int(meta["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
