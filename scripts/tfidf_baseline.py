@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="stanfordnlp/imdb")
     ap.add_argument("--seed", type=int, default=1337, help="the split seed (tfm train --seed)")
+    ap.add_argument("--val-block", type=int, default=1, help="hold out runs of this many reviews (tfm's data.val_block)")
     ap.add_argument("--C", type=float, default=10.0, help="inverse regularisation strength")
     args = ap.parse_args()
 
@@ -30,9 +31,9 @@ def main() -> None:
     from transformer_cli.config import DataConfig
     from transformer_cli.data import load_splits, stratified_split
 
-    cfg = DataConfig(source=args.data)
+    cfg = DataConfig(source=args.data, val_block=args.val_block)
     raw, _ = load_splits(cfg, ("train", "test"))
-    train_idx, val_idx = stratified_split(raw["train"].labels, cfg.val_size, args.seed)
+    train_idx, val_idx = stratified_split(raw["train"].labels, cfg.val_size, args.seed, cfg.val_block)
     train, val, test = raw["train"].subset(train_idx), raw["train"].subset(val_idx), raw["test"]
 
     t0 = time.perf_counter()

@@ -65,12 +65,13 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"train": {"weight_decay": float("nan")}}, ["train.weight_decay", "nan"]),
         ({"train": {"grad_clip": float("nan")}}, ["train.grad_clip", "nan"]),
         ({"model": {"ngram_buckets": -1}}, ["model.ngram_buckets", "-1"]),
+        ({"data": {"val_block": 0}}, ["data.val_block", "0"]),
         ({"model": {"ngram_lr_scale": float("nan")}}, ["model.ngram_lr_scale", "nan"]),
         ({"model": {"ngram_lr_scale": 0}}, ["model.ngram_lr_scale", "0"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
-         "ngram-buckets-neg", "ngram-lr-nan", "ngram-lr-0"],
+         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:

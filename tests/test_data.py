@@ -67,6 +67,29 @@ def test_stratified_split_is_seeded(imbalanced_labels):
     assert not np.array_equal(a[1], c[1])
 
 
+def test_stratified_split_of_single_examples_is_the_original_draw(imbalanced_labels):
+    """block=1 must keep the split every earlier run was trained and validated on."""
+    rng = np.random.default_rng(3)
+    expected_val = []
+    for label in (0, 1):
+        idx = rng.permutation(np.flatnonzero(imbalanced_labels == label))
+        expected_val.append(idx[: int(round(len(idx) * 0.25))])
+    _, val = stratified_split(imbalanced_labels, 0.25, seed=3, block=1)
+    assert np.array_equal(val, np.sort(np.concatenate(expected_val)))
+
+
+def test_block_split_holds_out_whole_runs_of_consecutive_examples_of_a_label():
+    labels = np.array([0] * 100 + [1] * 100)  # label-sorted, as IMDB's train split is
+    train, val = stratified_split(labels, 0.2, seed=1, block=10)
+    assert Counter(labels[val].tolist()) == {0: 20, 1: 20}
+    assert sorted([*train, *val]) == list(range(200))
+    held = set(val.tolist())
+    for start in range(0, 200, 10):  # each run of 10 is wholly in one part
+        assert len({i in held for i in range(start, start + 10)}) == 1
+    other_seed = stratified_split(labels, 0.2, seed=2, block=10)[1]
+    assert not np.array_equal(val, other_seed)
+
+
 # --------------------------------------------------------------------------- truncation and encoding
 
 

@@ -293,3 +293,17 @@ def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp
     groups = tensors["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0, 0.0]
     assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups) and groups[2]["lr_scale"] == 3.0
+
+
+def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_run, synthetic_data_dir, tmp_path):
+    import shutil
+
+    out = Path(shutil.copytree(trained_run[0], tmp_path / "run"))
+    first = ckpt.checkpoint_dirs(out)[0]
+    state = json.loads((first / "trainer.json").read_text())
+    for section, key in (("model", "ngram_buckets"), ("data", "val_block")):  # as written before they existed
+        del state["config"][section][key]
+    (first / "trainer.json").write_text(json.dumps(state))
+    cfg = tiny_config(synthetic_data_dir, out, train__keep_checkpoints=100)  # trained_run's own settings
+    resumed = train(cfg, resume=str(first), progress=False)
+    assert resumed["steps"] == trained_run[1]["steps"]

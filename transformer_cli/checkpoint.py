@@ -136,7 +136,7 @@ def load_model_dir(path: str | Path, device="cpu"):
     """(model in eval mode, Config, tokenizer, labels) from a `tfm train` output directory."""
     from tokenizers import Tokenizer
 
-    from transformer_cli.config import Config
+    from transformer_cli.config import Config, with_legacy_values
     from transformer_cli.model import CTransformer
 
     out = Path(path)
@@ -150,10 +150,7 @@ def load_model_dir(path: str | Path, device="cpu"):
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
     try:
-        sections = {k: meta[k] for k in ("model", "data", "train")}
-        # Models saved before the n-gram path existed have no such key: they have no such path.
-        sections["model"] = {"ngram_buckets": 0, **sections["model"]}
-        cfg = Config.from_dict(sections)
+        cfg = Config.from_dict(with_legacy_values({k: meta[k] for k in ("model", "data", "train")}))
         labels, vocab_size = list(meta["labels"]), int(meta["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None

@@ -130,6 +130,7 @@ class DataConfig(_Section):
     text_column: str = "text"
     label_column: str = "label"
     val_size: float = 0.1  # fraction of train held out for validation (stratified, seeded)
+    val_block: int = 1  # > 1: hold out runs of this many consecutive examples (e.g. a movie's reviews)
     tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
     vocab_size: int = 30000
     lowercase: bool = True
@@ -145,6 +146,8 @@ class DataConfig(_Section):
             self._fail("source", "must name a dataset")
         if not 0.0 < self.val_size < 1.0:
             self._fail("val_size", "must be a fraction in (0, 1)")
+        if self.val_block < 1:
+            self._fail("val_block", "must be at least 1 (1 = examples drawn one by one)")
         if self.vocab_size < 100:
             self._fail("vocab_size", "must be at least 100")
         if self.max_length < 2:
@@ -247,6 +250,19 @@ class Config:
         for section, values in sections.items():
             d[section].update(values)
         return Config.from_dict(d)
+
+
+# Fields added after runs were first saved, with the value that reproduces what older runs did.
+LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("data", "val_block"): 1}
+
+
+def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's config sections with the fields it predates filled in as it behaved."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in saved.items()}
+    for (section, key), value in LEGACY_VALUES.items():
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(key, value)
+    return out
 
 
 def _check_sections(d: dict[str, Any]) -> None:

@@ -215,15 +215,22 @@ def _from_acl_tarball(path: Path, splits: tuple[str, ...]):
     return out, DEFAULT_LABELS
 
 
-def stratified_split(labels: np.ndarray, val_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded train/validation indices with the same label proportions in both."""
+def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train/validation indices with the same label proportions in both.
+
+    With block > 1, each label's examples (in dataset order) are cut into runs of `block` and whole
+    runs are held out. A dataset that keeps related examples together (IMDB keeps each movie's
+    reviews together) then validates on examples unlike those it trains on.
+    """
     rng = np.random.default_rng(seed)
-    train, val = [], []
+    train, val = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     for label in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == label))
-        n_val = int(round(len(idx) * val_size))
-        val.append(idx[:n_val])
-        train.append(idx[n_val:])
+        idx = np.flatnonzero(labels == label)
+        runs = [idx[i : i + block] for i in range(0, len(idx), block)]
+        order = rng.permutation(len(runs))
+        n_val = int(round(len(runs) * val_size))
+        val += [runs[i] for i in order[:n_val]]
+        train += [runs[i] for i in order[n_val:]]
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
 
 
@@ -416,9 +423,10 @@ def prepare_train_data(cfg: DataConfig, seed: int) -> Prepared:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")
     if len(np.unique(full.labels)) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has only one label; need examples of both classes")
-    train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed)
+    train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed, cfg.val_block)
     if len(val_idx) == 0 or len(train_idx) == 0:
-        raise TfmError(f"data.val_size = {cfg.val_size} leaves an empty train or validation split of {len(full)} examples")
+        raise TfmError(f"data.val_size = {cfg.val_size} (data.val_block = {cfg.val_block}) leaves an empty train or "
+                       f"validation split of {len(full)} examples; change either")
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
     train_raw, val_raw = full.subset(train_idx), full.subset(val_idx)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import Config, TrainConfig
+from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_model
@@ -225,7 +225,7 @@ def _find_resume(out: Path, resume: bool | str) -> Path | None:
 
 
 def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
-    now = cfg.to_dict()
+    now, saved = cfg.to_dict(), with_legacy_values(saved)
     diffs = [
         f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
         for section in ("model", "data", "train")
