@@ -12,6 +12,7 @@ from transformer_cli.config import (
     load_config,
     parse_overrides,
     parse_value,
+    with_legacy_values,
 )
 from transformer_cli.errors import UsageError
 
@@ -68,10 +69,11 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"data": {"val_block": 0}}, ["data.val_block", "0"]),
         ({"model": {"ngram_lr_scale": float("nan")}}, ["model.ngram_lr_scale", "nan"]),
         ({"model": {"ngram_lr_scale": 0}}, ["model.ngram_lr_scale", "0"]),
+        ({"model": {"ngram_order": 0}}, ["model.ngram_order", "0"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
-         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0"],
+         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:
@@ -188,3 +190,14 @@ def test_unreadable_config_files_raise_usage_error(tmp_path, content):
         path.write_text(content)
     with pytest.raises(UsageError, match="c.toml"):
         load_config(path)
+
+
+def test_saved_configs_get_the_values_of_fields_added_after_them():
+    # Saved before the n-gram path existed: it stays off.
+    assert with_legacy_values({"model": {"d_model": 64}})["model"]["ngram_buckets"] == 0
+    # Saved with the first n-gram path (bigrams, every occurrence counted, one loss): rebuilt as it was trained.
+    first = with_legacy_values({"model": {"ngram_buckets": 1 << 20}, "data": {}})
+    assert first["model"] == {"ngram_buckets": 1 << 20, "ngram_order": 2, "ngram_binary": False, "ngram_own_loss": False}
+    assert first["data"] == {"val_block": 1}
+    # A field that was saved keeps its value.
+    assert with_legacy_values({"model": {"ngram_order": 3, "ngram_binary": True}})["model"]["ngram_order"] == 3

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from transformer_cli.config import ModelConfig
@@ -178,21 +179,31 @@ def test_param_groups_decay_exactly_the_matrices():
 
 
 def reference_ngram_scores(bag: NgramBag, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each row's unigrams and hashed bigrams counted one by one, in float64."""
+    """Each row's unigrams and hashed n-grams (each distinct one once if `bag.binary`) counted one by one, in float64."""
     table = bag.table.weight.double()
     rows = []
     for b, n in enumerate(lengths):
         toks = ids[b, :n].tolist()
-        grams = toks + [(a * 1_000_003 + c) % bag.buckets + bag.vocab_size for a, c in zip(toks, toks[1:])]
+        grams = list(toks)
+        for order in range(2, bag.order + 1):
+            for i in range(n - order + 1):
+                h = toks[i]
+                for t in toks[i + 1 : i + order]:
+                    h = (h * 1_000_003 + t) % bag.buckets
+                grams.append(h + bag.vocab_size)
+        if bag.binary:
+            grams = list(set(grams))
         rows.append(sum(table[g] for g in grams) / math.sqrt(len(grams)))
     return torch.stack(rows)
 
 
-def test_ngram_bag_counts_unigrams_and_bigrams_within_each_row():
+@pytest.mark.parametrize(("order", "binary"), [(3, True), (3, False), (2, True), (1, True)])
+def test_ngram_bag_counts_each_rows_ngrams(order, binary):
     torch.manual_seed(0)
-    bag = NgramBag(VOCAB, buckets=64, num_labels=3)
+    bag = NgramBag(VOCAB, buckets=64, num_labels=3, order=order, binary=binary)
     nn.init.normal_(bag.table.weight)
     ids, mask = random_batch(LENGTHS)
+    ids[:, 1:] = ids[:, 1:] % 5  # a small alphabet: rows repeat unigrams and bigrams
     assert torch.allclose(bag(ids, mask).double(), reference_ngram_scores(bag, ids, LENGTHS), atol=1e-5)
     # A bigram straddling a row's end and its padding never counts: poison every padded position.
     poisoned = ids.masked_fill(~mask, VOCAB - 1)
@@ -225,6 +236,49 @@ def test_ngram_table_has_its_own_param_group_with_a_scaled_lr():
     assert "lr_scale" not in decay and "lr_scale" not in no_decay
     grouped = [id(p) for g in (decay, no_decay, wide) for p in g["params"]]
     assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each parameter exactly once
+
+
+def ngram_grads(model: CTransformer, ids, mask, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n-gram table's and the classifier head's gradients of the training loss `model` returns."""
+    model.zero_grad()
+    model(ids, mask, labels)[1].backward()
+    return model.ngrams.table.weight.grad.clone(), model.head.weight.grad.clone()
+
+
+@pytest.mark.parametrize("own_loss", [True, False])
+def test_the_ngram_path_learns_from_its_own_loss_and_the_transformer_from_the_sum(own_loss):
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(ngram_buckets=64, ngram_own_loss=own_loss), VOCAB, MAX_LEN).eval()
+    nn.init.normal_(model.ngrams.table.weight)
+    ids, mask = random_batch(LENGTHS)
+    labels = torch.tensor([0, 1, 1, 0])
+    table_grad, head_grad = ngram_grads(model, ids, mask, labels)
+
+    def grads_of(loss: torch.Tensor) -> list[torch.Tensor]:
+        return torch.autograd.grad(loss, [model.ngrams.table.weight, model.head.weight], allow_unused=True,
+                                   retain_graph=True)
+
+    logits, wide = model(ids, mask), model.ngrams(ids, mask)
+    deep = logits - wide
+    if own_loss:  # the table: its own loss alone; the head: the loss of the sum, the table held fixed
+        expected_table = grads_of(F.cross_entropy(wide, labels))[0]
+        expected_head = grads_of(F.cross_entropy(deep + wide.detach(), labels))[1]
+    else:  # one loss on the sum for both
+        expected_table, expected_head = grads_of(F.cross_entropy(logits, labels))
+    torch.testing.assert_close(table_grad, expected_table)
+    torch.testing.assert_close(head_grad, expected_head)
+    assert model(ids, mask, labels)[0].equal(logits)  # the logits are the sum either way
+
+
+def test_word_dropout_hides_tokens_from_the_transformer_only():
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(ngram_buckets=64, token_dropout=0.5), VOCAB, MAX_LEN).train()
+    nn.init.normal_(model.ngrams.table.weight)
+    ids, mask = random_batch(LENGTHS)
+    labels = torch.tensor([0, 1, 1, 0])
+    table_grad, _ = ngram_grads(model, ids, mask, labels)
+    expected = torch.autograd.grad(F.cross_entropy(model.ngrams(ids, mask), labels), model.ngrams.table.weight)[0]
+    torch.testing.assert_close(table_grad, expected)  # every token's n-grams, none dropped
 
 
 def test_sequences_longer_than_max_length_raise():

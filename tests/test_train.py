@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from transformer_cli import checkpoint as ckpt
 from transformer_cli import train as train_mod
-from transformer_cli.config import TrainConfig
+from transformer_cli.config import LEGACY_VALUES, TrainConfig
 from transformer_cli.errors import UsageError
 from transformer_cli.train import Interrupted, lr_at, train
 
@@ -301,7 +301,7 @@ def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_ru
     out = Path(shutil.copytree(trained_run[0], tmp_path / "run"))
     first = ckpt.checkpoint_dirs(out)[0]
     state = json.loads((first / "trainer.json").read_text())
-    for section, key in (("model", "ngram_buckets"), ("data", "val_block")):  # as written before they existed
+    for section, key in LEGACY_VALUES:  # as written before they existed
         del state["config"][section][key]
     (first / "trainer.json").write_text(json.dumps(state))
     cfg = tiny_config(synthetic_data_dir, out, train__keep_checkpoints=100)  # trained_run's own settings

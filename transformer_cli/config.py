@@ -100,13 +100,16 @@ class ModelConfig(_Section):
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
-    token_dropout: float = 0.1  # training only: share of input tokens hidden (masked out like padding)
+    token_dropout: float = 0.7  # training only: share of tokens hidden from the transformer (like padding)
     pooling: Literal["max", "mean", "first"] = "mean"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
     attention: Literal["auto", "sdpa", "explicit"] = "auto"
-    ngram_buckets: int = 1 << 20  # > 0: a linear path over the bag of unigrams and this many hashed bigrams
+    ngram_buckets: int = 1 << 22  # > 0: a linear path over the bag of n-grams; hash buckets for n > 1
+    ngram_order: int = 3  # the longest n-gram: 2 = unigrams and bigrams
     ngram_lr_scale: float = 60.0  # the n-gram table learns at this multiple of train.lr
+    ngram_binary: bool = True  # each distinct n-gram counts once (False: every occurrence counts)
+    ngram_own_loss: bool = True  # the path learns alone; the transformer learns what it gets wrong
 
     def validate(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "ff_mult"):
@@ -114,6 +117,8 @@ class ModelConfig(_Section):
                 self._fail(name, "must be at least 1")
         if self.ngram_buckets < 0:
             self._fail("ngram_buckets", "must be 0 (off) or a positive number of hash buckets")
+        if not 1 <= self.ngram_order <= 8:
+            self._fail("ngram_order", "must be between 1 (unigrams only) and 8")
         if not (self.ngram_lr_scale > 0 and math.isfinite(self.ngram_lr_scale)):
             self._fail("ngram_lr_scale", "must be a positive number")
         if self.d_model % self.n_heads:
@@ -253,7 +258,8 @@ class Config:
 
 
 # Fields added after runs were first saved, with the value that reproduces what older runs did.
-LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("data", "val_block"): 1}
+LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("model", "ngram_order"): 2, ("model", "ngram_binary"): False,
+                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1}
 
 
 def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:

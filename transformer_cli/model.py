@@ -135,23 +135,35 @@ def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
 
 
 class NgramBag(nn.Module):
-    """The wide path: a linear model over the bag of token unigrams and hashed bigrams.
+    """The wide path: a linear model over the bag of a text's token n-grams, up to length `order`.
 
-    Each n-gram owns a vector of label scores; a text scores their sum over sqrt(count).
-    Rows [0, vocab_size) are the unigrams (token ids), the next `buckets` rows the bigrams.
+    Each n-gram owns a vector of label scores; a text scores their sum over sqrt(count), which
+    is logistic regression on L2-normalised n-gram features. `binary`: each distinct n-gram
+    counts once. Rows [0, vocab_size) are the unigrams (token ids); longer n-grams share the
+    next `buckets` rows by a rolling hash.
     """
 
-    def __init__(self, vocab_size: int, buckets: int, num_labels: int):
+    def __init__(self, vocab_size: int, buckets: int, num_labels: int, order: int = 3, binary: bool = True):
         super().__init__()
-        self.vocab_size, self.buckets = vocab_size, buckets
+        self.vocab_size, self.buckets, self.order, self.binary = vocab_size, buckets, order, binary
         self.table = nn.Embedding(vocab_size + buckets, num_labels)
         nn.init.zeros_(self.table.weight)  # starts silent: the transformer's logits alone
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        bigrams = (ids[:, :-1] * 1_000_003 + ids[:, 1:]) % self.buckets + self.vocab_size  # (B, T-1)
-        grams = torch.cat([ids, bigrams], dim=1)  # (B, 2T-1)
-        keep = torch.cat([mask, mask[:, :-1] & mask[:, 1:]], dim=1)  # (B, 2T-1)
-        scores = self.table(grams) * keep.unsqueeze(-1)  # (B, 2T-1, num_labels)
+        grams, keep = [ids], [mask]
+        h, m = ids, mask
+        for n in range(2, self.order + 1):  # extend each (n-1)-gram by the token after it
+            h = (h[:, :-1] * 1_000_003 + ids[:, n - 1 :]) % self.buckets  # (B, T-n+1)
+            m = m[:, :-1] & mask[:, n - 1 :]  # (B, T-n+1)
+            grams.append(h + self.vocab_size)
+            keep.append(m)
+        grams, keep = torch.cat(grams, dim=1), torch.cat(keep, dim=1)  # (B, G)
+        if self.binary:  # sort each row, then keep the first of each run of equal n-grams
+            grams = grams.masked_fill(~keep, -1).sort(dim=1).values  # (B, G), dropped ones first
+            keep = grams >= 0
+            keep[:, 1:] &= grams[:, 1:] != grams[:, :-1]
+            grams = grams.clamp(min=0)
+        scores = self.table(grams) * keep.unsqueeze(-1)  # (B, G, num_labels)
         return scores.sum(dim=1) / keep.sum(dim=1, keepdim=True).sqrt().to(scores.dtype)
 
 
@@ -166,7 +178,7 @@ class CTransformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.proj.weight", "ff.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
-        self.ngrams = NgramBag(vocab_size, cfg.ngram_buckets, num_labels) if cfg.ngram_buckets else None
+        self.ngrams = NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary) if cfg.ngram_buckets else None
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -176,14 +188,30 @@ class CTransformer(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.training and self.cfg.token_dropout > 0:
+    def forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The logits, or with `labels` the logits and the training loss.
+
+        With `ngram_own_loss`, the n-gram path learns from its own loss, as a linear model alone
+        would, and the transformer from the loss of the sum with the path's scores held fixed:
+        it learns what the path gets wrong.
+        """
+        wide = None if self.ngrams is None else self.ngrams(ids, mask)  # (B, num_labels)
+        if self.training and self.cfg.token_dropout > 0:  # the transformer's regulariser only
             mask = drop_tokens(mask, self.cfg.token_dropout)
         h = self.encoder(ids, mask)  # (B, T, C)
-        logits = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
-        if self.ngrams is not None:
-            logits = logits + self.ngrams(ids, mask)
-        return logits
+        deep = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
+        logits = deep if wide is None else deep + wide
+        if labels is None:
+            return logits
+
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(x.float(), labels, label_smoothing=label_smoothing)
+
+        if wide is None or not self.cfg.ngram_own_loss:
+            return logits, loss(logits)
+        return logits, loss(deep + wide.detach()) + loss(wide)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Weight decay on matrices (linear and embedding weights) only, not biases or norms.

@@ -226,11 +226,17 @@ def _find_resume(out: Path, resume: bool | str) -> Path | None:
 
 def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
     now, saved = cfg.to_dict(), with_legacy_values(saved)
+    path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
+
+    def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
+        return not (section == "train" and key in RESUME_FREE) and not (
+            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
+
     diffs = [
         f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
         for section in ("model", "data", "train")
         for key, value in now[section].items()
-        if saved[section].get(key) != value and not (section == "train" and key in RESUME_FREE)
+        if saved[section].get(key) != value and matters(section, key)
     ]
     if saved_world != world_size:
         diffs.append(f"world size: {saved_world} -> {world_size}")
@@ -405,19 +411,21 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 lr = lr_at(st.step, total, tc)
                 for g in run.optimizer.param_groups:
                     g["lr"] = lr * g.get("lr_scale", 1.0)
-                loss_sum, n_samples = 0.0, 0
+                loss_sum, objective_sum, n_samples = 0.0, 0.0, 0
                 for j, idx in enumerate(group):
                     ids, mask, y = rt.tensors(*collate(run.train, idx))
                     sync = run.engine.no_sync() if rt.distributed and j < len(group) - 1 else contextlib.nullcontext()
                     with sync, rt.autocast():
-                        logits = run.engine(ids, mask)
-                        loss = F.cross_entropy(logits.float(), y, label_smoothing=tc.label_smoothing) / len(group)
-                    run.scaler.scale(loss).backward()
-                    loss_sum += loss.item()
+                        logits, objective = run.engine(ids, mask, y, tc.label_smoothing)
+                        objective = objective / len(group)
+                    run.scaler.scale(objective).backward()
+                    objective_sum += objective.item()
+                    # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures.
+                    loss_sum += F.cross_entropy(logits.detach().float(), y).item() / len(group)
                     n_samples += len(idx) * rt.world_size
                 run.scaler.unscale_(run.optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
-                finite = math.isfinite(loss_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
+                finite = math.isfinite(objective_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
                 stopping = stop.signum is not None
                 if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
                     bad, stops = rt.all_sum([float(not finite), float(stopping)])
