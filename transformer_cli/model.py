@@ -178,7 +178,10 @@ class CTransformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("attn.proj.weight", "ff.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
-        self.ngrams = NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary) if cfg.ngram_buckets else None
+        self.ngrams = (
+            NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary)
+            if cfg.ngram_buckets else None
+        )
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
