@@ -175,12 +175,14 @@ def test_a_run_that_died_before_its_first_checkpoint_can_be_restarted(tiny_cfg, 
 # --------------------------------------------------------------------------- resume
 
 
-def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, tmp_path):
+@pytest.mark.parametrize("model", [{}, {"model__ngram_buckets": 64, "model__token_dropout": 0.5}],
+                         ids=["tiny", "the default's n-gram path and word dropout"])
+def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, tmp_path, model):
     # The schedule must not depend on the total number of steps (which max_steps changes): constant
     # learning rate after a warmup given in steps.
     def cfg(name, **kw):
         return tiny_config(synthetic_data_dir, tmp_path / name, train__epochs=1, train__schedule="constant",
-                           train__warmup_steps=5, **kw)
+                           train__warmup_steps=5, **model, **kw)
 
     train(cfg("full"), progress=False)
     assert train(cfg("split", train__max_steps=10), progress=False)["steps"] == 10
