@@ -106,7 +106,7 @@ def test_load_model_dir(model_dir):
 def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
     meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
     assert meta["model"].pop("ngram_buckets") == 0 and meta["model"].pop("ngram_lr_scale")  # tiny.toml: off
-    del meta["model"]["ngram_order"], meta["model"]["ngram_binary"]
+    del meta["model"]["ngram_order"], meta["model"]["ngram_binary"], meta["model"]["ngram_own_loss"]
     (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
     model, cfg, _, _ = ckpt.load_model_dir(model_dir)
     assert cfg.model.ngram_buckets == 0 and model.ngrams is None
