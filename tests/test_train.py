@@ -309,3 +309,25 @@ def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_ru
     cfg = tiny_config(synthetic_data_dir, out, train__keep_checkpoints=100)  # trained_run's own settings
     resumed = train(cfg, resume=str(first), progress=False)
     assert resumed["steps"] == trained_run[1]["steps"]
+
+
+def test_a_resumed_runs_event_file_sorts_after_one_from_the_same_second(tmp_path):
+    import time
+
+    from transformer_cli.runtime import make_runtime
+
+    rt = make_runtime("cpu", "fp32")
+    first = train_mod.Logger(tmp_path, rt)
+    first.scalars(1, {"train/loss": 1.0})
+    first.close()
+    (written,) = tmp_path.glob("events.out.tfevents.*")
+    second = int(written.name.split(".")[3])
+    assert second >= int(time.time()) - 5  # named by its creation second, then host, process id, counter
+    # As if written on a host and by a process that sort after ours: a new file of this second sorts first.
+    earlier = written.rename(tmp_path / f"events.out.tfevents.{second:010d}.zzzz.99999999.0")
+    resumed = train_mod.Logger(tmp_path, rt, purge_step=2)
+    resumed.scalars(2, {"train/loss": 2.0})
+    resumed.close()
+    assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0)]
+    newest = max(tmp_path.glob("events.out.tfevents.*"), key=lambda p: p.name)
+    assert newest != earlier and int(newest.name.split(".")[3]) > second

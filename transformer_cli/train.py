@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 import signal
 import sys
 import time
@@ -79,6 +80,7 @@ class Logger:
         if rt.is_main:
             from torch.utils.tensorboard import SummaryWriter
 
+            _wait_to_sort_after_earlier_event_files(out)
             self.writer = SummaryWriter(str(out), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -99,6 +101,17 @@ class Logger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _wait_to_sort_after_earlier_event_files(out: Path) -> None:
+    """TensorBoard reads a folder's event files in name order, and a name starts with the second it
+    was created in, then the process id. A resume within the same second as the run before it could
+    sort first and show the resumed steps before the earlier ones: wait for the next second. (A
+    file from further ahead, another machine's clock, is not waited for.)"""
+    seconds = [int(m.group(1)) for p in out.glob("events.out.tfevents.*")
+               if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", p.name))]
+    if seconds and 0 < (delay := max(seconds) + 1 - time.time()) <= 1:
+        time.sleep(delay)
 
 
 # --------------------------------------------------------------------------- state
