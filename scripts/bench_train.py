@@ -6,8 +6,9 @@ What it measures
     reference notebook's emb 128, 8 heads, depth 3, ff 4x, vocab 50k, T=256, batch 32) and fp32:
 
       (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped as
-           transformer_cli.train.fit steps it on a CPU (AdamW over model.param_groups with
-           foreach=True, cross-entropy, clip_grad_norm_; fused SDPA attention with the padding mask)
+           transformer_cli.train.fit steps it on a CPU (transformer_cli.optim.make_optimizer: fused
+           AdamW over model.param_groups; the model's loss; transformer_cli.optim.clip_grad_norm_;
+           fused SDPA attention with the padding mask)
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
            linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
            emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
@@ -15,10 +16,13 @@ What it measures
            As in the notebook it has no padding mask: padded batches go in as they are.
       (c)  torch.nn.TransformerEncoder (batch_first, post-norm, ReLU, src_key_padding_mask) with the
            same embeddings, masked max pooling and a linear head; Adam.
-    Optional (--variants): a_explicit = (a) with model.attention = "explicit" (written-out
-    softmax(QK^T)V instead of SDPA), a_bf16 = (a) under bf16 autocast (on by default only on a
-    CPU with native bf16; emulated bf16 is ~16x slower and `tfm train` refuses it), and a_ngrams =
-    (a) plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b)).
+    Optional (--variants): (a) with suffixes, each changing one thing, e.g. a_ngrams_lazy:
+      _explicit  model.attention = "explicit" (written-out softmax(QK^T)V instead of SDPA)
+      _bf16      bf16 autocast (on by default only on a CPU with native bf16; emulated bf16 is ~16x
+                 slower and `tfm train` refuses it)
+      _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
+      _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
+      _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
 
     Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
     (batch i is run by every variant before batch i+1), so contention from other jobs that comes
@@ -65,12 +69,21 @@ from torch import nn
 
 VARIANTS = {
     "a": "(a) ours",
-    "a_explicit": "(a) ours, explicit attention",
-    "a_bf16": "(a) ours, bf16 autocast",
-    "a_ngrams": "(a) ours + n-gram path",
     "b": "(b) naive former-style",
     "c": "(c) nn.TransformerEncoder",
 }
+SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "ngrams": "+ n-gram path",
+            "lazy": "lazy embeddings", "foreach": "foreach AdamW"}
+
+
+def variant_name(key: str) -> str | None:
+    """'a_ngrams_lazy' -> '(a) ours + n-gram path, lazy embeddings'; None if the key is unknown."""
+    if key in VARIANTS:
+        return VARIANTS[key]
+    base, *mods = key.split("_")
+    if base != "a" or not mods or any(m not in SUFFIXES for m in mods) or len(set(mods)) < len(mods):
+        return None
+    return "(a) ours" + "".join(f" {SUFFIXES[m]}" if m == "ngrams" else f", {SUFFIXES[m]}" for m in mods)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="dropout of every variant")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant and mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
-    p.add_argument("--variants", default=default_variants, help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=default_variants,
+                   help=f"comma-separated: {','.join(VARIANTS)}, or a with suffixes _{', _'.join(SUFFIXES)}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
     p.add_argument("--max-train-samples", type=int, default=None, help="imdb mode: use this many training reviews")
@@ -97,8 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := [v for v in args.variants if v not in VARIANTS]:
-        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    if unknown := [v for v in args.variants if variant_name(v) is None]:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or a_ plus suffixes {list(SUFFIXES)}")
     if args.d_model % args.heads:
         p.error("--d-model must be divisible by --heads")
     if args.steps < 1 or args.warmup < 0:
@@ -209,15 +223,21 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
+    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
     from transformer_cli.runtime import Runtime
 
+    mods = set(key.split("_")[1:])
     mc = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, ff_mult=args.ff_mult,
-                     dropout=args.dropout, attention="explicit" if key == "a_explicit" else "auto",
-                     ngram_buckets=ModelConfig.ngram_buckets if key == "a_ngrams" else 0)
+                     dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
+                     ngram_buckets=ModelConfig.ngram_buckets if "ngrams" in mods else 0,
+                     lazy_embeddings="lazy" in mods)
     tc = TrainConfig()
-    rt = Runtime(torch.device("cpu"), torch.bfloat16 if key == "a_bf16" else None)
+    rt = Runtime(torch.device("cpu"), torch.bfloat16 if "bf16" in mods else None)
     model = CTransformer(mc, vocab, args.seq_len).train()
-    opt = torch.optim.AdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    if "foreach" in mods:
+        opt = LazyAdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    else:
+        opt = make_optimizer(model, tc, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(b: Batch) -> float:
@@ -225,7 +245,7 @@ def ours(key: str, args, vocab: int) -> Variant:
             _, loss = model(b.ids, b.mask, b.y, tc.label_smoothing)  # the model's training loss, as fit uses it
         loss.backward()
         value = loss.item()
-        torch.nn.utils.clip_grad_norm_(params, tc.grad_clip).item()
+        clip_grad_norm_(params, tc.grad_clip).item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return value
@@ -323,7 +343,7 @@ def run_mode(mode: str, args) -> dict:
     rows = []
     for v in variants:
         total = sum(v.times)
-        rows.append({"key": v.key, "variant": VARIANTS[v.key], "params": v.params,
+        rows.append({"key": v.key, "variant": variant_name(v.key), "params": v.params,
                      "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
                      "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
                      "gflops": flops / total / 1e9, "pct_peak": 100 * flops / total / 1e9 / peak.gflops,

@@ -8,7 +8,7 @@ from torch import nn
 
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
-from transformer_cli.model import CTransformer, NgramBag, SelfAttention, drop_tokens, pool, sinusoidal_table
+from transformer_cli.model import CTransformer, NgramBag, SelfAttention, drop_tokens, dropout, pool, sinusoidal_table
 
 D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
 LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS]
@@ -322,3 +322,21 @@ def test_token_dropout_rate():
     mask = torch.ones(64, 512, dtype=torch.bool)
     hidden = 1 - drop_tokens(mask, 0.15)[:, 1:].float().mean().item()
     assert abs(hidden - 0.15) < 0.01
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_cpu_dropout_behaves_as_f_dropout(p):
+    x = torch.randn(256, 1024).abs_().add_(0.5).requires_grad_()  # no zeros: a zero output means dropped
+    assert dropout(x, p, training=False) is x and dropout(x, 0.0, training=True) is x
+    torch.manual_seed(0)
+    y = dropout(x, p, training=True)
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))  # survivors scaled by 1 / (1 - p), as F.dropout does
+    n = x.numel()
+    assert abs((~kept).float().mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
+    ref_dropped = (F.dropout(x, p, training=True) == 0).float().mean().item()
+    assert abs(ref_dropped - p) < 4 * math.sqrt(p * (1 - p) / n)
+    y.sum().backward()  # the gradient passes the same mask and scale
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    torch.manual_seed(1)
+    assert not torch.equal(dropout(x, p, training=True) != 0, kept)  # a fresh mask per call

@@ -48,3 +48,19 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     assert refused.returncode == 1 and "without an n-gram path" in refused.stderr
     missing = subprocess.run([*cmd[:2], str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600)
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
+           "--heads", "2", "--layers", "1", "--seq-len", "16", "--vocab", "100", "--batch-size", "4", "--steps", "2",
+           "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,b", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["modes"]["synthetic"]["rows"]
+    assert [r["variant"] for r in rows] == ["(a) ours", "(a) ours + n-gram path, lazy embeddings",
+                                            "(a) ours, foreach AdamW", "(b) naive former-style"]
+    assert all(r["samples_per_sec"] > 0 and not r["note"] for r in rows)  # a note means a non-finite loss
+    assert [r["vs_b"] for r in rows][-1] == 1.0
+    bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr

@@ -175,8 +175,9 @@ def test_a_run_that_died_before_its_first_checkpoint_can_be_restarted(tiny_cfg, 
 # --------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("model", [{}, {"model__ngram_buckets": 64, "model__token_dropout": 0.5}],
-                         ids=["tiny", "the default's n-gram path and word dropout"])
+@pytest.mark.parametrize("model", [{}, {"model__ngram_buckets": 64, "model__token_dropout": 0.5},
+                                   {"model__ngram_buckets": 64, "model__lazy_embeddings": True}],
+                         ids=["tiny", "the default's n-gram path and word dropout", "lazy embedding updates"])
 def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, tmp_path, model):
     # The schedule must not depend on the total number of steps (which max_steps changes): constant
     # learning rate after a warmup given in steps.

@@ -110,6 +110,7 @@ class ModelConfig(_Section):
     ngram_lr_scale: float = 60.0  # the n-gram table learns at this multiple of train.lr
     ngram_binary: bool = True  # each distinct n-gram counts once (False: every occurrence counts)
     ngram_own_loss: bool = True  # the path learns alone; the transformer learns what it gets wrong
+    lazy_embeddings: bool = False  # embedding tables learn only in the rows a step uses (LazyAdamW)
 
     def validate(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "ff_mult"):

@@ -28,6 +28,7 @@ from transformer_cli.data import BucketSampler, Encoded, collate, prepare_train_
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_model
 from transformer_cli.model import CTransformer
+from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
 
 # Settings that may differ on resume without changing the trajectory of training.
@@ -285,11 +286,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     vocab_size = data.tokenizer.get_vocab_size()
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
     torch.manual_seed(tc.seed + rt.rank)  # dropout streams differ per rank; init is identical
-    fused = rt.device.type == "cuda"
-    optimizer = torch.optim.AdamW(
-        model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
-        fused=fused, foreach=None if fused else True,
-    )
+    optimizer = make_optimizer(model, tc, rt.device)
     scaler = rt.grad_scaler()
     ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
@@ -437,7 +434,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     loss_sum += F.cross_entropy(logits.detach().float(), y).item() / len(group)
                     n_samples += len(idx) * rt.world_size
                 run.scaler.unscale_(run.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
+                grad_norm = clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
                 finite = math.isfinite(objective_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
                 stopping = stop.signum is not None
                 if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
