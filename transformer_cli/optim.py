@@ -1,9 +1,11 @@
-"""AdamW with lazy updates for embedding tables, and gradient clipping that understands them.
+"""The training optimizer: AdamW, fused where torch has the kernel, with optional lazy updates of
+embedding tables; and gradient clipping that understands them.
 
-An `nn.Embedding(sparse=True)` gets a sparse gradient: only the rows its batch looked up. Dense
-AdamW would still read and write every row of every table at every step (the 4.2M-row n-gram
-table is most of the model), so those tables are updated lazily instead, as TensorFlow's LazyAdam
-and torch's SparseAdam do.
+Under `model.lazy_embeddings`, an `nn.Embedding(sparse=True)` gets a sparse gradient: only the rows
+its batch looked up. `LazyAdamW` then updates just those rows, as TensorFlow's LazyAdam and torch's
+SparseAdam do, instead of reading and writing every row of every table at every step. That is
+faster, but it changes what the model learns (README, Configuration reference), so it is off by
+default.
 """
 
 from __future__ import annotations
