@@ -7,8 +7,8 @@ What it measures
 
       (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped as
            transformer_cli.train.fit steps it on a CPU (transformer_cli.optim.make_optimizer: fused
-           AdamW over model.param_groups, sparse gradients from the embedding tables; the model's
-           loss; transformer_cli.optim.clip_grad_norm_; fused SDPA attention with the padding mask)
+           AdamW over model.param_groups; the model's loss; transformer_cli.optim.clip_grad_norm_;
+           fused SDPA attention with the padding mask)
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
            linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
            emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
@@ -22,8 +22,7 @@ What it measures
                  slower and `tfm train` refuses it)
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
-      _foreach   AdamW's foreach implementation instead of the fused kernel
-      _densegrad dense gradients from the embedding tables (the path before their sparse gradients)
+      _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
 
     Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
     (batch i is run by every variant before batch i+1), so contention from other jobs that comes
@@ -74,7 +73,7 @@ VARIANTS = {
     "c": "(c) nn.TransformerEncoder",
 }
 SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "ngrams": "+ n-gram path",
-            "lazy": "lazy embeddings", "foreach": "foreach AdamW", "densegrad": "dense embedding gradients"}
+            "lazy": "lazy embeddings", "foreach": "foreach AdamW"}
 
 
 def variant_name(key: str) -> str | None:
@@ -224,7 +223,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
-    from transformer_cli.optim import clip_grad_norm_, make_optimizer
+    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
     from transformer_cli.runtime import Runtime
 
     mods = set(key.split("_")[1:])
@@ -235,10 +234,10 @@ def ours(key: str, args, vocab: int) -> Variant:
     tc = TrainConfig()
     rt = Runtime(torch.device("cpu"), torch.bfloat16 if "bf16" in mods else None)
     model = CTransformer(mc, vocab, args.seq_len).train()
-    opt = make_optimizer(model, tc, torch.device("cpu"), lazy=mc.lazy_embeddings, fused="foreach" not in mods)
-    if "densegrad" in mods:
-        for table in model.embedding_tables():
-            table.sparse = False
+    if "foreach" in mods:
+        opt = LazyAdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    else:
+        opt = make_optimizer(model, tc, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(b: Batch) -> float:

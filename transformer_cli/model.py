@@ -91,7 +91,7 @@ class Encoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
         super().__init__()
-        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model)
+        self.tok_emb = nn.Embedding(vocab_size, cfg.d_model, sparse=cfg.lazy_embeddings)
         if cfg.pos_emb == "learned":
             self.pos_emb = nn.Embedding(max_length, cfg.d_model)
         else:
@@ -151,10 +151,12 @@ class NgramBag(nn.Module):
     next `buckets` rows by a rolling hash.
     """
 
-    def __init__(self, vocab_size: int, buckets: int, num_labels: int, order: int = 3, binary: bool = True):
+    def __init__(
+        self, vocab_size: int, buckets: int, num_labels: int, order: int = 3, binary: bool = True, sparse: bool = False
+    ):
         super().__init__()
         self.vocab_size, self.buckets, self.order, self.binary = vocab_size, buckets, order, binary
-        self.table = nn.Embedding(vocab_size + buckets, num_labels)
+        self.table = nn.Embedding(vocab_size + buckets, num_labels, sparse=sparse)
         nn.init.zeros_(self.table.weight)  # starts silent: the transformer's logits alone
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -187,7 +189,7 @@ class CTransformer(nn.Module):
             if name.endswith(("attn.proj.weight", "ff.2.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
         self.ngrams = (
-            NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary)
+            NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary, cfg.lazy_embeddings)
             if cfg.ngram_buckets else None
         )
 
@@ -238,10 +240,6 @@ class CTransformer(nn.Module):
         if wide:
             groups.append({"params": wide, "weight_decay": weight_decay, "lr_scale": self.cfg.ngram_lr_scale})
         return groups
-
-    def embedding_tables(self) -> list[nn.Embedding]:
-        """The tables of which a batch uses a few rows: the token embeddings and the n-gram table."""
-        return [self.encoder.tok_emb] + ([] if self.ngrams is None else [self.ngrams.table])
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

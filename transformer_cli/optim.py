@@ -1,12 +1,11 @@
-"""The training optimizer: AdamW, fused where torch has the kernel, fed sparse gradients by the
+"""The training optimizer: AdamW, fused where torch has the kernel, with optional lazy updates of
 embedding tables; and gradient clipping that understands them.
 
-A batch uses a few rows of the token embeddings and of the 4.2M-row n-gram table. As sparse
-gradients, those rows cost little to compute and to clip, where a dense gradient must be
-allocated and zeroed in full at every step. `SparseGradAdamW` then updates the tables either as
-AdamW does, every row at every step (the default), or lazily, only the rows a step used
-(`model.lazy_embeddings`; faster, but it changes what the model learns: README, Configuration
-reference).
+Under `model.lazy_embeddings`, an `nn.Embedding(sparse=True)` gets a sparse gradient: only the rows
+its batch looked up. `LazyAdamW` then updates just those rows, as TensorFlow's LazyAdam and torch's
+SparseAdam do, instead of reading and writing every row of every table at every step. That is
+faster, but it changes what the model learns (README, Configuration reference), so it is off by
+default.
 """
 
 from __future__ import annotations
@@ -19,20 +18,16 @@ import torch
 from transformer_cli.config import TrainConfig
 
 
-class SparseGradAdamW(torch.optim.AdamW):
-    """AdamW that also takes sparse gradients.
+class LazyAdamW(torch.optim.AdamW):
+    """AdamW, except that a parameter with a sparse gradient is updated in its gradient's rows only.
 
-    `lazy=False`: a sparse gradient is scattered into a zeroed dense buffer kept between steps, and
-    AdamW updates every row, exactly as with a dense gradient. `lazy=True`: only the gradient's rows
-    get AdamW's update (moments, bias correction by the global step, decoupled weight decay);
-    every other row, and its moments, stays as it is (LazyAdam). Dense gradients get AdamW's own
-    update, fused or foreach. The state has AdamW's layout, so checkpoints load either way.
+    Those rows get AdamW's full update (moments, bias correction by the global step, decoupled
+    weight decay); every other row, and its moments, stays as it is. Dense gradients get AdamW's
+    own update, fused or foreach. The state has AdamW's layout, so checkpoints load either way.
     """
 
-    def __init__(self, params, lazy: bool = False, **kwargs):
+    def __init__(self, params, **kwargs):
         super().__init__(params, **kwargs)
-        self.lazy = lazy
-        self._buffers: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> zeroed dense gradient
         # A fused AdamW would take GradScaler's inf check into its kernel and skip only the dense
         # update; without this flag the scaler skips the whole step() instead.
         self._step_supports_amp_scaling = False
@@ -43,31 +38,22 @@ class SparseGradAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sparse = [(group, p, p.grad.coalesce()) for group in self.param_groups for p in group["params"]
+        sparse = [(group, p, p.grad) for group in self.param_groups for p in group["params"]
                   if p.grad is not None and p.grad.is_sparse]
-        for _, p, grad in sparse:  # AdamW refuses sparse gradients and skips parameters without one
-            if self.lazy:
-                p.grad = None
-            else:
-                buf = self._buffers.get(p)
-                if buf is None:
-                    buf = self._buffers[p] = torch.zeros_like(p)
-                p.grad = buf.index_copy_(0, grad.indices()[0], grad.values())
+        for _, p, _ in sparse:  # AdamW refuses sparse gradients and skips parameters without one
+            p.grad = None
         try:
             super().step()
         finally:
             for _, p, grad in sparse:
-                if not self.lazy:
-                    self._buffers[p].index_fill_(0, grad.indices()[0], 0.0)
                 p.grad = grad
-        if self.lazy:
-            for group, p, grad in sparse:
-                self._lazy_update(group, p, grad)
+        for group, p, grad in sparse:
+            self._lazy_update(group, p, grad.coalesce())
         return loss
 
     def _lazy_update(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
         if group["amsgrad"] or group["maximize"]:
-            raise ValueError("SparseGradAdamW's lazy update supports neither amsgrad nor maximize")
+            raise ValueError("LazyAdamW's sparse update supports neither amsgrad nor maximize")
         state = self.state[p]
         if not state:
             on_device = group["fused"] or group["capturable"]
@@ -110,19 +96,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-def make_optimizer(
-    model: torch.nn.Module, tc: TrainConfig, device: torch.device, lazy: bool = False, fused: bool | None = None
-) -> SparseGradAdamW:
-    """The training optimizer over the model's parameter groups; it also sets how the model's
-    embedding tables return gradients.
-
-    Sparse gradients on the CPU, or with `lazy`; dense ones on GPUs otherwise (NCCL's all-reduce of
-    sparse tensors is not tested here). `fused` (default: on CPU and CUDA) uses torch's fused
-    AdamW kernel, one pass over each tensor instead of foreach's several.
-    """
-    for table in model.embedding_tables():
-        table.sparse = lazy or device.type == "cpu"
-    if fused is None:
-        fused = device.type in ("cpu", "cuda")
-    return SparseGradAdamW(model.param_groups(tc.weight_decay), lazy=lazy, lr=tc.lr, betas=(tc.beta1, tc.beta2),
-                           fused=fused, foreach=None if fused else True)
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> LazyAdamW:
+    """The training optimizer over the model's parameter groups. On CPU and CUDA it uses torch's fused
+    AdamW kernel, one pass over each tensor instead of foreach's several (see README, Performance)."""
+    fused = device.type in ("cpu", "cuda")
+    return LazyAdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+                     fused=fused, foreach=None if fused else True)

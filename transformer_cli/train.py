@@ -286,7 +286,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     vocab_size = data.tokenizer.get_vocab_size()
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
     torch.manual_seed(tc.seed + rt.rank)  # dropout streams differ per rank; init is identical
-    optimizer = make_optimizer(model, tc, rt.device, lazy=cfg.model.lazy_embeddings)
+    optimizer = make_optimizer(model, tc, rt.device)
     scaler = rt.grad_scaler()
     ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
