@@ -223,7 +223,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
-    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
+    from transformer_cli.optim import clip_grad_norm_, make_optimizer
     from transformer_cli.runtime import Runtime
 
     mods = set(key.split("_")[1:])
@@ -234,10 +234,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     tc = TrainConfig()
     rt = Runtime(torch.device("cpu"), torch.bfloat16 if "bf16" in mods else None)
     model = CTransformer(mc, vocab, args.seq_len).train()
-    if "foreach" in mods:
-        opt = LazyAdamW(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
-    else:
-        opt = make_optimizer(model, tc, torch.device("cpu"))
+    opt = make_optimizer(model, tc, torch.device("cpu"), fused="foreach" not in mods)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step(b: Batch) -> float:

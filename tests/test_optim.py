@@ -136,6 +136,7 @@ def test_make_optimizer_uses_the_fused_kernel_on_cpu_and_equals_foreach_adamw():
     slow = copy.deepcopy(fast)
     opt = make_optimizer(fast, tc, torch.device("cpu"))
     assert all(g["fused"] for g in opt.param_groups) and len(opt.param_groups) == 3  # the n-gram table's own group
+    assert type(opt) is torch.optim.AdamW  # LazyAdamW only under model.lazy_embeddings
     ref = torch.optim.AdamW(slow.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
     g = torch.Generator().manual_seed(2)
     for _ in range(5):

@@ -421,7 +421,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 lr = lr_at(st.step, total, tc)
                 for g in run.optimizer.param_groups:
                     g["lr"] = lr * g.get("lr_scale", 1.0)
-                loss_sum, objective_sum, n_samples = 0.0, 0.0, 0
+                loss_sum, objective_sum, n_samples = 0.0, 0.0, 0  # tensors after the first micro-batch
                 for j, idx in enumerate(group):
                     ids, mask, y = rt.tensors(*collate(run.train, idx))
                     sync = run.engine.no_sync() if rt.distributed and j < len(group) - 1 else contextlib.nullcontext()
@@ -429,10 +429,11 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                         logits, objective = run.engine(ids, mask, y, tc.label_smoothing)
                         objective = objective / len(group)
                     run.scaler.scale(objective).backward()
-                    objective_sum += objective.item()
+                    objective_sum = objective_sum + objective.detach()
                     # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures.
-                    loss_sum += F.cross_entropy(logits.detach().float(), y).item() / len(group)
+                    loss_sum = loss_sum + F.cross_entropy(logits.detach().float(), y) / len(group)
                     n_samples += len(idx) * rt.world_size
+                objective_sum, loss_sum = torch.stack([objective_sum, loss_sum]).tolist()  # one device sync
                 run.scaler.unscale_(run.optimizer)
                 grad_norm = clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
                 finite = math.isfinite(objective_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
