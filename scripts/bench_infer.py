@@ -19,6 +19,10 @@ What it measures
          (--compare-samples reviews) with each CPU batch budget (transformer_cli.evaluate.
          CPU_TOKENS_PER_THREAD; 0 = no token budget, plain batches of batch_size reviews as before),
          interleaved over --compare-rounds rounds, as speed ratios to the shipped default.
+         --compile also times evaluate_model over the split with the model under torch.compile
+         (inductor, dynamic shapes, weights frozen as constants): the first pass, which compiles,
+         and the median of --repeats more, against the eager passes above; and how far its logits
+         are from eager's. `tfm evaluate` itself runs eager.
     (ii) Cold start of fresh subprocesses (the first model), median of --runs, interleaved, after one
          untimed round (so that files are in the page cache): python -c pass, python -c "import
          torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
@@ -67,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-tokens-per-thread", default=None, metavar="N,N,...",
                    help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
     p.add_argument("--compare-samples", type=int, default=1000)
+    p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
     p.add_argument("--compare-rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads in this process")
     p.add_argument("--runs", type=int, default=5, help="timed runs of each cold-start command (median)")
@@ -176,6 +181,8 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
               "accuracy": metrics["accuracy"], "rows": rows, "target": check}
     if args.compare_tokens_per_thread:
         result["compare"] = compare_budgets(model, enc, rt, batch_size, len(labels), args)
+    if args.compile:
+        result["compile"] = compare_compile(model, enc, rt, batch_size, args)
     print()
     return result
 
@@ -210,6 +217,40 @@ def compare_budgets(model, enc, rt, batch_size: int, num_labels: int, args) -> l
                           ("reviews_per_sec", "reviews/s"), ("vs_default", "speed / default's")],
                    digits={"median_sec": 2, "vs_default": 2})
     return rows
+
+
+def compare_compile(model, enc, rt, batch_size: int, args) -> dict:
+    import torch
+    import torch._inductor.config as inductor_config
+
+    from transformer_cli import evaluate as ev
+
+    batches = ev._batches(enc, batch_size, rt)
+    num_labels = model.head.out_features
+    model.eval()
+    inductor_config.freezing = True  # weights as constants: lets inductor fold them into oneDNN kernels
+    compiled = torch.compile(model, dynamic=True)
+    t0 = bc.now()
+    logits = ev._logits(compiled, enc, batches, rt, num_labels)
+    first = bc.now() - t0
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(args.repeats):  # interleaved, so contention hits both alike
+        for name, engine in (("eager", model), ("compiled", compiled)):
+            t0 = bc.now()
+            out = ev._logits(engine, enc, batches, rt, num_labels)
+            times[name].append(bc.now() - t0)
+            if name == "eager":
+                eager = out
+    eager_sec, compiled_sec = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    result = {"first_pass_sec": first, "eager_sec": eager_sec, "compiled_sec": compiled_sec,
+              "reviews_per_sec": len(enc) / compiled_sec, "vs_eager": eager_sec / compiled_sec,
+              "max_abs_logit_diff": float((logits - eager).abs().max()),
+              "same_label": float((logits.argmax(-1) == eager.argmax(-1)).double().mean())}
+    print(f"   torch.compile (dynamic, frozen weights), model forward only, median of {args.repeats}: "
+          f"{compiled_sec:.2f} s against eager's {eager_sec:.2f} s ({result['vs_eager']:.2f}x, "
+          f"{result['reviews_per_sec']:,.0f} reviews/s) after a first pass of {first:.1f} s (compiling); "
+          f"logits within {result['max_abs_logit_diff']:.1e} of eager's, same label on {result['same_label']:.2%}")
+    return result
 
 
 # --------------------------------------------------------------------------- (ii) cold start

@@ -23,6 +23,9 @@ What it measures
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
       _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
+      _compile   the model under torch.compile (inductor; `train.compile = true`). Its first steps
+                 compile (again when a new batch shape makes the graph dynamic): the JSON rows keep
+                 every variant's first-step seconds, printed for this one; use --warmup >= 2
 
     Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
     (batch i is run by every variant before batch i+1), so contention from other jobs that comes
@@ -73,7 +76,7 @@ VARIANTS = {
     "c": "(c) nn.TransformerEncoder",
 }
 SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "ngrams": "+ n-gram path",
-            "lazy": "lazy embeddings", "foreach": "foreach AdamW"}
+            "lazy": "lazy embeddings", "foreach": "foreach AdamW", "compile": "torch.compile"}
 
 
 def variant_name(key: str) -> str | None:
@@ -216,6 +219,7 @@ class Variant:
     step: Callable[[Batch], float]  # one training step; returns the loss
     params: int
     times: list[float] = field(default_factory=list)
+    first_sec: float = 0.0  # the first step's seconds (untimed): compilation, allocator warm-up
     note: str = ""
 
 
@@ -236,10 +240,11 @@ def ours(key: str, args, vocab: int) -> Variant:
     model = CTransformer(mc, vocab, args.seq_len).train()
     opt = make_optimizer(model, tc, torch.device("cpu"), fused="foreach" not in mods)
     params = [p for p in model.parameters() if p.requires_grad]
+    engine = torch.compile(model) if "compile" in mods else model  # as transformer_cli.train.setup wraps it
 
     def step(b: Batch) -> float:
         with rt.autocast():
-            _, loss = model(b.ids, b.mask, b.y, tc.label_smoothing)  # the model's training loss, as fit uses it
+            _, loss = engine(b.ids, b.mask, b.y, tc.label_smoothing)  # the model's training loss, as fit uses it
         loss.backward()
         value = loss.item()
         clip_grad_norm_(params, tc.grad_clip).item()
@@ -328,8 +333,11 @@ def run_mode(mode: str, args) -> dict:
         for v in variants:
             t0 = bc.now()
             loss = v.step(b)
+            dt = bc.now() - t0
             if i >= args.warmup:
-                v.times.append(bc.now() - t0)
+                v.times.append(dt)
+            if i == 0:
+                v.first_sec = dt
             if not math.isfinite(loss) and not v.note:
                 v.note = f"non-finite loss at step {i}"
 
@@ -344,7 +352,7 @@ def run_mode(mode: str, args) -> dict:
                      "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
                      "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
                      "gflops": flops / total / 1e9, "pct_peak": 100 * flops / total / 1e9 / peak.gflops,
-                     "note": v.note})
+                     "first_step_sec": v.first_sec, "note": v.note})
     ref = next((r for r in rows if r["key"] == "b"), None)
     for r in rows:
         r["vs_b"] = r["samples_per_sec"] / ref["samples_per_sec"] if ref else None
@@ -357,6 +365,8 @@ def run_mode(mode: str, args) -> dict:
     for r in rows:
         if r["note"]:
             print(f"   note {r['variant']}: {r['note']}")
+        if "compile" in r["key"].split("_"):
+            print(f"   {r['variant']}: first step {r['first_step_sec']:.1f} s, compilation included")
     print(f"   peak: {peak.describe()}, between the steps")
     if ref:
         print(f"   ceiling: peak / (b)'s GFLOP/s = {peak.gflops / ref['gflops']:.2f}x (b): no variant doing these "

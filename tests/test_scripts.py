@@ -65,3 +65,17 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
     bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr
+
+
+def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
+    out = tmp_path / "infer.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+           str(synthetic_data_dir), "--split", "test", "--threads", "1", "--skip-cold-start", "--compile",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["throughput"]
+    assert result["reviews"] == 200 and result["accuracy"] > 0.5  # the trained tiny model, on the synthetic test split
+    compiled = result["compile"]
+    assert compiled["same_label"] == 1.0 and compiled["max_abs_logit_diff"] < 1e-4
+    assert compiled["eager_sec"] > 0 and compiled["compiled_sec"] > 0

@@ -187,7 +187,7 @@ class TrainConfig(_Section):
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    compile: bool = False  # torch.compile the model (GPU; measured slower to warm up on CPU)
+    compile: bool = False  # torch.compile the model (for GPUs: on the project CPU its steps were 0.84-0.94x eager's)
     log_every: int = 20  # steps between train/* scalars
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     eval_batch_size: int = 256
