@@ -26,6 +26,9 @@ What it measures
       _compile   the model under torch.compile (inductor; `train.compile = true`). Its first steps
                  compile (again when a new batch shape makes the graph dynamic): the JSON rows keep
                  every variant's first-step seconds, printed for this one; use --warmup >= 2
+      _hN        N attention heads instead of --heads (e.g. a_ngrams_h4: the default model as it was
+                 before 2026-11-22 07:40, when 2 heads of size 32 replaced 4 of size 16); (b) and (c)
+                 keep --heads
 
     Every variant gets the same dropout (--dropout) and the same init seed. Steps are interleaved
     (batch i is run by every variant before batch i+1), so contention from other jobs that comes
@@ -79,14 +82,24 @@ SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "ngrams":
             "lazy": "lazy embeddings", "foreach": "foreach AdamW", "compile": "torch.compile"}
 
 
+def heads_of(mod: str) -> int | None:
+    """'h4' -> 4; None for any other suffix."""
+    return int(mod[1:]) if mod[:1] == "h" and mod[1:].isdigit() and int(mod[1:]) > 0 else None
+
+
 def variant_name(key: str) -> str | None:
     """'a_ngrams_lazy' -> '(a) ours + n-gram path, lazy embeddings'; None if the key is unknown."""
     if key in VARIANTS:
         return VARIANTS[key]
     base, *mods = key.split("_")
-    if base != "a" or not mods or any(m not in SUFFIXES for m in mods) or len(set(mods)) < len(mods):
+    known = all(m in SUFFIXES or heads_of(m) for m in mods) and sum(heads_of(m) is not None for m in mods) <= 1
+    if base != "a" or not mods or not known or len(set(mods)) < len(mods):
         return None
-    return "(a) ours" + "".join(f" {SUFFIXES[m]}" if m == "ngrams" else f", {SUFFIXES[m]}" for m in mods)
+
+    def name(m: str) -> str:
+        return f", {heads_of(m)} head{'s' * (heads_of(m) > 1)}" if heads_of(m) else f" {SUFFIXES[m]}" if m == "ngrams" else f", {SUFFIXES[m]}"
+
+    return "(a) ours" + "".join(name(m) for m in mods)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant and mode")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
     p.add_argument("--variants", default=default_variants,
-                   help=f"comma-separated: {','.join(VARIANTS)}, or a with suffixes _{', _'.join(SUFFIXES)}")
+                   help=f"comma-separated: {','.join(VARIANTS)}, or a with suffixes _{', _'.join(SUFFIXES)}, _hN")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
     p.add_argument("--max-train-samples", type=int, default=None, help="imdb mode: use this many training reviews")
@@ -115,9 +128,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := [v for v in args.variants if variant_name(v) is None]:
-        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or a_ plus suffixes {list(SUFFIXES)}")
-    if args.d_model % args.heads:
-        p.error("--d-model must be divisible by --heads")
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or a_ plus suffixes {list(SUFFIXES)}, hN")
+    heads = {args.heads} | {h for v in args.variants for m in v.split("_")[1:] if (h := heads_of(m))}
+    if any(args.d_model % h for h in heads):
+        p.error(f"--d-model {args.d_model} must be divisible by every head count, {sorted(heads)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
@@ -218,6 +232,7 @@ class Variant:
     key: str
     step: Callable[[Batch], float]  # one training step; returns the loss
     params: int
+    heads: int  # attention heads of the model it steps
     times: list[float] = field(default_factory=list)
     first_sec: float = 0.0  # the first step's seconds (untimed): compilation, allocator warm-up
     note: str = ""
@@ -231,7 +246,8 @@ def ours(key: str, args, vocab: int) -> Variant:
     from transformer_cli.runtime import Runtime
 
     mods = set(key.split("_")[1:])
-    mc = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=args.layers, ff_mult=args.ff_mult,
+    heads = next((h for m in mods if (h := heads_of(m))), args.heads)
+    mc = ModelConfig(d_model=args.d_model, n_heads=heads, n_layers=args.layers, ff_mult=args.ff_mult,
                      dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
                      ngram_buckets=ModelConfig.ngram_buckets if "ngrams" in mods else 0,
                      lazy_embeddings="lazy" in mods)
@@ -252,10 +268,10 @@ def ours(key: str, args, vocab: int) -> Variant:
         opt.zero_grad(set_to_none=True)
         return value
 
-    return Variant(key, step, model.num_params())
+    return Variant(key, step, model.num_params(), model.encoder.blocks[0].attn.n_heads)
 
 
-def adam_reference(key: str, model: nn.Module, loss_fn: Callable) -> Variant:
+def adam_reference(key: str, model: nn.Module, loss_fn: Callable, heads: int) -> Variant:
     """(b) and (c): the plain loop of the notebook: zero_grad, loss, backward, clip 1.0, Adam step."""
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)  # CPU default: the for-loop implementation
@@ -268,7 +284,7 @@ def adam_reference(key: str, model: nn.Module, loss_fn: Callable) -> Variant:
         opt.step()
         return loss.item()
 
-    return Variant(key, step, sum(p.numel() for p in model.parameters()))
+    return Variant(key, step, sum(p.numel() for p in model.parameters()), heads)
 
 
 def build_variants(args, vocab: int) -> list[Variant]:
@@ -277,9 +293,9 @@ def build_variants(args, vocab: int) -> list[Variant]:
     for key in args.variants:
         torch.manual_seed(args.seed)  # the same init stream for every variant
         if key == "b":
-            out.append(adam_reference(key, NaiveCTransformer(*sizes), F.nll_loss))
+            out.append(adam_reference(key, NaiveCTransformer(*sizes), F.nll_loss, args.heads))
         elif key == "c":
-            out.append(adam_reference(key, TorchEncoderClassifier(*sizes), F.cross_entropy))
+            out.append(adam_reference(key, TorchEncoderClassifier(*sizes), F.cross_entropy, args.heads))
         else:
             out.append(ours(key, args, vocab))
     return out
@@ -348,7 +364,7 @@ def run_mode(mode: str, args) -> dict:
     rows = []
     for v in variants:
         total = sum(v.times)
-        rows.append({"key": v.key, "variant": variant_name(v.key), "params": v.params,
+        rows.append({"key": v.key, "variant": variant_name(v.key), "params": v.params, "heads": v.heads,
                      "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
                      "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
                      "gflops": flops / total / 1e9, "pct_peak": 100 * flops / total / 1e9 / peak.gflops,

@@ -55,16 +55,19 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
            "--heads", "2", "--layers", "1", "--seq-len", "16", "--vocab", "100", "--batch-size", "4", "--steps", "2",
-           "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,b", "--json", str(out)]
+           "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,b", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["modes"]["synthetic"]["rows"]
     assert [r["variant"] for r in rows] == ["(a) ours", "(a) ours + n-gram path, lazy embeddings",
-                                            "(a) ours, foreach AdamW", "(b) naive former-style"]
+                                            "(a) ours, foreach AdamW", "(a) ours, 1 head", "(b) naive former-style"]
+    assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2]
     assert all(r["samples_per_sec"] > 0 and not r["note"] for r in rows)  # a note means a non-finite loss
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
     bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr
+    odd = subprocess.run([*cmd[:-4], "--variants", "a_h3"], capture_output=True, text=True, timeout=600)
+    assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
 def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
