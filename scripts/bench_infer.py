@@ -71,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-tokens-per-thread", default=None, metavar="N,N,...",
                    help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
     p.add_argument("--compare-samples", type=int, default=1000)
-    p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
     p.add_argument("--compare-rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
     p.add_argument("--threads", type=int, default=None, help="torch threads in this process")
     p.add_argument("--runs", type=int, default=5, help="timed runs of each cold-start command (median)")
     p.add_argument("--text", default="A wonderful film: the acting was superb and I loved every minute of it.")

@@ -97,7 +97,9 @@ def variant_name(key: str) -> str | None:
         return None
 
     def name(m: str) -> str:
-        return f", {heads_of(m)} head{'s' * (heads_of(m) > 1)}" if heads_of(m) else f" {SUFFIXES[m]}" if m == "ngrams" else f", {SUFFIXES[m]}"
+        if n := heads_of(m):
+            return f", {n} head{'s' * (n > 1)}"
+        return f" {SUFFIXES[m]}" if m == "ngrams" else f", {SUFFIXES[m]}"
 
     return "(a) ours" + "".join(name(m) for m in mods)
 
