@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, needs_cxx
 
 SHRINK = ["train.max_steps=3", "data.max_length=64", "data.vocab_size=500", "train.eval_batch_size=64"]
 
@@ -70,6 +70,7 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
+@needs_cxx
 def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "infer.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",

@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from conftest import needs_cxx, tiny_config
 from safetensors.torch import load_file
 
 from transformer_cli import checkpoint as ckpt
@@ -334,6 +334,7 @@ def test_a_resumed_runs_event_file_sorts_after_one_from_the_same_second(tmp_path
     assert newest != earlier and int(newest.name.split(".")[3]) > second
 
 
+@needs_cxx
 def test_a_compiled_run_trains_as_the_eager_one_and_saves_the_raw_modules_weights(synthetic_data_dir, tmp_path):
     import torch
     from torch._dynamo.utils import counters
