@@ -182,7 +182,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     if args.compare_tokens_per_thread:
         result["compare"] = compare_budgets(model, enc, rt, batch_size, len(labels), args)
     if args.compile:
-        result["compile"] = compare_compile(model, enc, rt, batch_size, args)
+        result["compile"] = compare_compile(model, enc, rt, batch_size, len(labels), args)
     print()
     return result
 
@@ -219,14 +219,13 @@ def compare_budgets(model, enc, rt, batch_size: int, num_labels: int, args) -> l
     return rows
 
 
-def compare_compile(model, enc, rt, batch_size: int, args) -> dict:
+def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> dict:
     import torch
     import torch._inductor.config as inductor_config
 
     from transformer_cli import evaluate as ev
 
     batches = ev._batches(enc, batch_size, rt)
-    num_labels = model.head.out_features
     model.eval()
     inductor_config.freezing = True  # weights as constants: lets inductor fold them into oneDNN kernels
     compiled = torch.compile(model, dynamic=True)
@@ -234,13 +233,13 @@ def compare_compile(model, enc, rt, batch_size: int, args) -> dict:
     logits = ev._logits(compiled, enc, batches, rt, num_labels)
     first = bc.now() - t0
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    outputs: dict[str, torch.Tensor] = {}
     for _ in range(args.repeats):  # interleaved, so contention hits both alike
         for name, engine in (("eager", model), ("compiled", compiled)):
             t0 = bc.now()
-            out = ev._logits(engine, enc, batches, rt, num_labels)
+            outputs[name] = ev._logits(engine, enc, batches, rt, num_labels)
             times[name].append(bc.now() - t0)
-            if name == "eager":
-                eager = out
+    eager = outputs["eager"]
     eager_sec, compiled_sec = statistics.median(times["eager"]), statistics.median(times["compiled"])
     result = {"first_pass_sec": first, "eager_sec": eager_sec, "compiled_sec": compiled_sec,
               "reviews_per_sec": len(enc) / compiled_sec, "vs_eager": eager_sec / compiled_sec,
