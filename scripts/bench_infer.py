@@ -19,6 +19,9 @@ What it measures
          (--compare-samples reviews) with each CPU batch budget (transformer_cli.evaluate.
          CPU_TOKENS_PER_THREAD; 0 = no token budget, plain batches of batch_size reviews as before),
          interleaved over --compare-rounds rounds, as speed ratios to the shipped default.
+         --compare-workers adds the other setting of transformer_cli.evaluate.CPU_WORKERS to that
+         comparison: torch's threads as workers of one thread each running whole batches (the
+         default), or one worker whose torch threads share each operation.
          --compile also times evaluate_model over the split with the model under torch.compile
          (inductor, dynamic shapes, weights frozen as constants): the first pass, which compiles,
          and the median of --repeats more, against the eager passes above; and how far its logits
@@ -70,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed evaluate_model passes over the split (median)")
     p.add_argument("--compare-tokens-per-thread", default=None, metavar="N,N,...",
                    help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
+    p.add_argument("--compare-workers", action="store_true",
+                   help="also compare CPU evaluation with the other CPU_WORKERS setting, interleaved")
     p.add_argument("--compare-samples", type=int, default=1000)
     p.add_argument("--compare-rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
@@ -167,7 +172,8 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     print(f"-- (i) evaluate {model_dir}: d={m.d_model}, {m.n_heads} heads, {m.n_layers} layers, {m.norm}-norm, "
           f"{m.pooling} pooling, {params:,} params; {n} {args.split} reviews, {real_tokens:,} real tokens, "
           f"{len(batches)} batches (<= {batch_size} reviews, <= {ev.cpu_batch_tokens()} padded tokens), "
-          f"{100 * (1 - real_tokens / padded):.1f}% padding, {torch.get_num_threads()} threads; load {load_sec:.2f} s")
+          f"{100 * (1 - real_tokens / padded):.1f}% padding, {torch.get_num_threads()} threads in "
+          f"{ev.cpu_workers()} worker(s); load {load_sec:.2f} s")
     bc.print_table(rows, [("stage", "stage"), ("sec", "seconds"), ("reviews_per_sec", "reviews/s"),
                           ("tokens_per_sec", "tokens/s"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
                    digits={"sec": 2, "gflops": 1})
@@ -179,44 +185,60 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
               "real_tokens": real_tokens, "padded_tokens": padded, "flops": flops, "params": params,
               "load_sec": load_sec, "model_sec_all": times, "matmul_peak": peak.as_dict(),
               "accuracy": metrics["accuracy"], "rows": rows, "target": check}
-    if args.compare_tokens_per_thread:
-        result["compare"] = compare_budgets(model, enc, rt, batch_size, len(labels), args)
+    if args.compare_tokens_per_thread or args.compare_workers:
+        result["compare"] = compare_settings(model, enc, rt, batch_size, len(labels), args)
     if args.compile:
         result["compile"] = compare_compile(model, enc, rt, batch_size, len(labels), args)
     print()
     return result
 
 
-def compare_budgets(model, enc, rt, batch_size: int, num_labels: int, args) -> list[dict]:
+def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> list[dict]:
+    """evaluate_model on a seeded subset under each setting of transformer_cli.evaluate's CPU batching
+    (the shipped default first), interleaved over --compare-rounds rounds."""
     from transformer_cli import evaluate as ev
-
-    values = [int(v) for v in args.compare_tokens_per_thread.split(",")]
-    default = ev.CPU_TOKENS_PER_THREAD
-    values = [default] + [v for v in values if v != default]
     from transformer_cli.data import sample_indices
 
+    default = {"CPU_TOKENS_PER_THREAD": ev.CPU_TOKENS_PER_THREAD, "CPU_WORKERS": ev.CPU_WORKERS}
+    settings = {"default (" + describe_setting(default) + ")": {}}
+    for v in [int(v) for v in (args.compare_tokens_per_thread or "").split(",") if v]:
+        if v != default["CPU_TOKENS_PER_THREAD"]:
+            settings[describe_setting({**default, "CPU_TOKENS_PER_THREAD": v})] = {"CPU_TOKENS_PER_THREAD": v}
+    if args.compare_workers:
+        flipped = not default["CPU_WORKERS"]
+        settings[describe_setting({**default, "CPU_WORKERS": flipped})] = {"CPU_WORKERS": flipped}
     part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
-    times: dict[int, list[float]] = {v: [] for v in values}
+    times: dict[str, list[float]] = {label: [] for label in settings}
     try:
         for _ in range(args.compare_rounds):
-            for v in values:
-                ev.CPU_TOKENS_PER_THREAD = v
+            for label, change in settings.items():
+                for name, value in {**default, **change}.items():
+                    setattr(ev, name, value)
                 t0 = bc.now()
                 ev.evaluate_model(model, part, rt, batch_size, num_labels)
-                times[v].append(bc.now() - t0)
+                times[label].append(bc.now() - t0)
     finally:
-        ev.CPU_TOKENS_PER_THREAD = default
-    rows = []
-    for v, ts in times.items():
-        label = "none (batches of batch_size reviews)" if v == 0 else str(v)
-        rows.append({"tokens_per_thread": label + (" (default)" if v == default else ""),
-                     "median_sec": statistics.median(ts), "reviews_per_sec": len(part) / statistics.median(ts),
-                     "vs_default": statistics.median(d / t for d, t in zip(times[default], ts))})
-    print(f"   CPU batch budget, {len(part)} reviews, {args.compare_rounds} interleaved rounds:")
-    bc.print_table(rows, [("tokens_per_thread", "tokens/thread"), ("median_sec", "seconds"),
-                          ("reviews_per_sec", "reviews/s"), ("vs_default", "speed / default's")],
-                   digits={"median_sec": 2, "vs_default": 2})
+        for name, value in default.items():
+            setattr(ev, name, value)
+    first = next(iter(times.values()))
+    rows = [{"setting": label, "median_sec": statistics.median(ts),
+             "reviews_per_sec": len(part) / statistics.median(ts),
+             "vs_default": statistics.median(d / t for d, t in zip(first, ts))} for label, ts in times.items()]
+    print(f"   CPU batching, {len(part)} reviews, {args.compare_rounds} interleaved rounds:")
+    bc.print_table(rows, [("setting", "setting"), ("median_sec", "seconds"), ("reviews_per_sec", "reviews/s"),
+                          ("vs_default", "speed / default's")], digits={"median_sec": 2, "vs_default": 2})
     return rows
+
+
+def describe_setting(setting: dict) -> str:
+    import torch
+
+    tokens = setting["CPU_TOKENS_PER_THREAD"]
+    batches = "batches of batch_size reviews" if tokens == 0 else f"<= {tokens} tokens/thread"
+    threads = torch.get_num_threads()
+    if setting["CPU_WORKERS"]:
+        return f"{batches}, {threads} workers of 1 thread"
+    return f"{batches}, 1 worker of {threads} threads"
 
 
 def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> dict:

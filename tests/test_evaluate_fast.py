@@ -1,10 +1,11 @@
-"""The fast inference path (length-sorted, token-budgeted batches; logits gathered once) against the
-reference: one review at a time, unbatched and unpadded. No timings here; speed is measured by
-scripts/bench_infer.py."""
+"""The fast inference path (length-sorted, token-budgeted batches run by one-thread workers; logits
+gathered once) against the reference: one review at a time, unbatched and unpadded. No timings here;
+speed is measured by scripts/bench_infer.py."""
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -90,17 +91,68 @@ def test_ranks_split_the_batches_between_them():
     assert sorted(flat) == list(range(50))
 
 
+@pytest.fixture
+def two_torch_threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the CPU path has two workers on any machine
+    yield
+    torch.set_num_threads(n)
+
+
 # --------------------------------------------------------------------------- fast path == reference
 
 
 @pytest.mark.parametrize("cfg", [{}, {"pooling": "max", "norm": "post"}, {"pooling": "first"},
                                  {"attention": "explicit"}, {"pos_emb": "sinusoidal"}])
 @pytest.mark.parametrize("max_tokens", [64, 200, 10**9])
-def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, monkeypatch):
+@pytest.mark.parametrize("workers", [True, False])
+def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
+    monkeypatch.setattr(ev, "CPU_WORKERS", workers)
     model, enc = random_model(**cfg), random_encoded(60)
     fast = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2).double()
     torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)  # and in input order
+
+
+class RecordingModel(torch.nn.Module):
+    """The model, noting for each forward its thread, torch's thread count there and inference mode."""
+
+    def __init__(self, model, fail_at: int | None = None):
+        super().__init__()
+        self.model, self.fail_at, self.calls = model, fail_at, []
+        self.lock = threading.Lock()
+
+    def forward(self, ids, mask):
+        with self.lock:
+            self.calls.append((threading.get_ident(), torch.get_num_threads(), torch.is_inference_mode_enabled()))
+            if len(self.calls) == self.fail_at:
+                raise RuntimeError("boom")
+        return self.model(ids, mask)
+
+
+def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch_threads):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
+    model, enc = random_model(seed=2), random_encoded(120, seed=2)
+    batches = ev._batches(enc, 16, CPU)
+    recorder = RecordingModel(model)
+    fast = ev._logits(recorder, enc, batches, CPU, 2)
+    assert len(recorder.calls) == len(batches) > 2
+    assert {calls[1:] for calls in recorder.calls} == {(1, True)}  # one torch thread each, inference mode
+    assert threading.get_ident() not in {c[0] for c in recorder.calls}
+    assert len({c[0] for c in recorder.calls}) <= 2
+    assert torch.get_num_threads() == 2  # restored
+    monkeypatch.setattr(ev, "CPU_WORKERS", False)  # the reference: each operation on both threads
+    one = RecordingModel(model)
+    torch.testing.assert_close(fast, ev._logits(one, enc, batches, CPU, 2), atol=1e-5, rtol=0)
+    assert set(one.calls) == {(threading.get_ident(), 2, True)}
+
+
+def test_cpu_workers_restore_the_threads_when_a_batch_fails(monkeypatch, two_torch_threads):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
+    enc = random_encoded(120, seed=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        ev._logits(RecordingModel(random_model(), fail_at=3), enc, ev._batches(enc, 16, CPU), CPU, 2)
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize("max_tokens", [64, 10**9])

@@ -70,6 +70,26 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
+def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_dir, tmp_path):
+    out = tmp_path / "infer.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+           str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers",
+           "--compare-tokens-per-thread", "0,4096,64", "--compare-samples", "120", "--compare-rounds", "1",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["throughput"]
+    rows = result["compare"]
+    assert [r["setting"] for r in rows] == [
+        "default (<= 4096 tokens/thread, 2 workers of 1 thread)",  # 4096 is the default: not repeated
+        "batches of batch_size reviews, 2 workers of 1 thread",
+        "<= 64 tokens/thread, 2 workers of 1 thread",
+        "<= 4096 tokens/thread, 1 worker of 2 threads",
+    ]
+    assert rows[0]["vs_default"] == 1.0 and all(r["reviews_per_sec"] > 0 for r in rows)
+    assert "2 threads in 2 worker(s)" in done.stdout
+
+
 @needs_cxx
 def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "infer.json"

@@ -5,12 +5,15 @@ little padding, and cut into batches of at most `batch_size` reviews. On the CPU
 holds at most `CPU_TOKENS_PER_THREAD` padded tokens per torch thread: the activations of a few
 thousand tokens per core stay in its caches, which made the forward pass 1.5-2x faster per review
 than batches of 256 reviews of up to 256 tokens (`scripts/bench_infer.py --compare-tokens-per-thread
-0,2048,4096,8192` measures it). Logits are gathered in input order into one tensor, and loss,
-confusion matrix and probabilities are computed from it once.
+0,2048,4096,8192` measures it). With `CPU_WORKERS`, the CPU's torch threads do not share each
+operation: each is a worker that runs whole batches on one core (`--compare-workers` measures it).
+Logits are gathered in input order into one tensor, and loss, confusion matrix and probabilities are
+computed from it once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -23,10 +26,15 @@ from transformer_cli.errors import TfmError
 from transformer_cli.runtime import Runtime
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
+CPU_WORKERS = True  # on the CPU, one worker per torch thread, each running whole batches on one thread
+
+
+def cpu_workers() -> int:
+    return torch.get_num_threads() if CPU_WORKERS else 1
 
 
 def cpu_batch_tokens() -> int:
-    return CPU_TOKENS_PER_THREAD * torch.get_num_threads()
+    return CPU_TOKENS_PER_THREAD * (1 if CPU_WORKERS else torch.get_num_threads())
 
 
 def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime) -> list[np.ndarray]:
@@ -56,17 +64,43 @@ def _batches(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
     return _plan(enc.lengths, batch_size, rt)[rt.rank :: rt.world_size]
 
 
-@torch.inference_mode()
 def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits on the CPU, in the order of `enc`; rows of examples in no
     batch stay zero. The model must be in eval mode."""
+
+    def forward(idx: np.ndarray) -> torch.Tensor:
+        with torch.inference_mode():  # thread-local, as autocast is: entered in the worker
+            ids, mask, _ = rt.tensors(*collate(enc, idx))
+            with rt.autocast():
+                return model(ids, mask).float().cpu()
+
+    workers = cpu_workers() if rt.device.type == "cpu" else 1
+    if workers > 1 and len(batches) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with one_torch_thread():
+            pool = ThreadPoolExecutor(workers)  # its threads start inside, so they take the setting
+            try:
+                results = list(pool.map(forward, batches))
+            finally:  # on an error or Ctrl-C, batches not started yet are dropped, not run
+                pool.shutdown(cancel_futures=True)
+    else:
+        results = map(forward, batches)
     out = torch.zeros(len(enc), num_labels)
-    for idx in batches:
-        ids, mask, _ = rt.tensors(*collate(enc, idx))
-        with rt.autocast():
-            logits = model(ids, mask)
-        out[torch.from_numpy(idx)] = logits.float().cpu()
+    for idx, logits in zip(batches, results):
+        out[torch.from_numpy(idx)] = logits
     return out
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch's intra-op threads set to one inside, and restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int) -> dict:
