@@ -19,9 +19,9 @@ What it measures
          (--compare-samples reviews) with each CPU batch budget (transformer_cli.evaluate.
          CPU_TOKENS_PER_THREAD; 0 = no token budget, plain batches of batch_size reviews as before),
          interleaved over --compare-rounds rounds, as speed ratios to the shipped default.
-         --compare-workers adds the other setting of transformer_cli.evaluate.CPU_WORKERS to that
-         comparison: torch's threads as workers of one thread each running whole batches (the
-         default), or one worker whose torch threads share each operation.
+         --compare-workers adds CPU_WORKERS = 1 to that comparison: one worker whose torch threads
+         share each operation, against the default's workers, each running whole batches on its
+         share of the threads (on 2 cores: 2 workers of one thread).
          --compile also times evaluate_model over the split with the model under torch.compile
          (inductor, dynamic shapes, weights frozen as constants): the first pass, which compiles,
          and the median of --repeats more, against the eager passes above; and how far its logits
@@ -46,6 +46,7 @@ Examples
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -74,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-tokens-per-thread", default=None, metavar="N,N,...",
                    help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
     p.add_argument("--compare-workers", action="store_true",
-                   help="also compare CPU evaluation with the other CPU_WORKERS setting, interleaved")
+                   help="also compare CPU evaluation with one worker of all threads (CPU_WORKERS = 1), interleaved")
     p.add_argument("--compare-samples", type=int, default=1000)
     p.add_argument("--compare-rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
@@ -172,8 +173,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     print(f"-- (i) evaluate {model_dir}: d={m.d_model}, {m.n_heads} heads, {m.n_layers} layers, {m.norm}-norm, "
           f"{m.pooling} pooling, {params:,} params; {n} {args.split} reviews, {real_tokens:,} real tokens, "
           f"{len(batches)} batches (<= {batch_size} reviews, <= {ev.cpu_batch_tokens()} padded tokens), "
-          f"{100 * (1 - real_tokens / padded):.1f}% padding, {torch.get_num_threads()} threads in "
-          f"{ev.cpu_workers()} worker(s); load {load_sec:.2f} s")
+          f"{100 * (1 - real_tokens / padded):.1f}% padding, {describe_setting()}; load {load_sec:.2f} s")
     bc.print_table(rows, [("stage", "stage"), ("sec", "seconds"), ("reviews_per_sec", "reviews/s"),
                           ("tokens_per_sec", "tokens/s"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
                    digits={"sec": 2, "gflops": 1})
@@ -199,46 +199,55 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
     from transformer_cli import evaluate as ev
     from transformer_cli.data import sample_indices
 
-    default = {"CPU_TOKENS_PER_THREAD": ev.CPU_TOKENS_PER_THREAD, "CPU_WORKERS": ev.CPU_WORKERS}
-    settings = {"default (" + describe_setting(default) + ")": {}}
+    changes = [{}]
     for v in [int(v) for v in (args.compare_tokens_per_thread or "").split(",") if v]:
-        if v != default["CPU_TOKENS_PER_THREAD"]:
-            settings[describe_setting({**default, "CPU_TOKENS_PER_THREAD": v})] = {"CPU_TOKENS_PER_THREAD": v}
-    if args.compare_workers:
-        flipped = not default["CPU_WORKERS"]
-        settings[describe_setting({**default, "CPU_WORKERS": flipped})] = {"CPU_WORKERS": flipped}
+        if v != ev.CPU_TOKENS_PER_THREAD:
+            changes.append({"CPU_TOKENS_PER_THREAD": v})
+    if args.compare_workers and ev.CPU_WORKERS != 1:
+        changes.append({"CPU_WORKERS": 1})
+    labels = []
+    for change in changes:
+        with evaluate_setting(change):
+            labels.append(("default: " if not change else "") + describe_setting())
     part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
-    times: dict[str, list[float]] = {label: [] for label in settings}
-    try:
-        for _ in range(args.compare_rounds):
-            for label, change in settings.items():
-                for name, value in {**default, **change}.items():
-                    setattr(ev, name, value)
+    times: list[list[float]] = [[] for _ in changes]
+    for _ in range(args.compare_rounds):
+        for change, ts in zip(changes, times):
+            with evaluate_setting(change):
                 t0 = bc.now()
                 ev.evaluate_model(model, part, rt, batch_size, num_labels)
-                times[label].append(bc.now() - t0)
-    finally:
-        for name, value in default.items():
-            setattr(ev, name, value)
-    first = next(iter(times.values()))
+                ts.append(bc.now() - t0)
     rows = [{"setting": label, "median_sec": statistics.median(ts),
              "reviews_per_sec": len(part) / statistics.median(ts),
-             "vs_default": statistics.median(d / t for d, t in zip(first, ts))} for label, ts in times.items()]
+             "vs_default": statistics.median(d / t for d, t in zip(times[0], ts))} for label, ts in zip(labels, times)]
     print(f"   CPU batching, {len(part)} reviews, {args.compare_rounds} interleaved rounds:")
     bc.print_table(rows, [("setting", "setting"), ("median_sec", "seconds"), ("reviews_per_sec", "reviews/s"),
                           ("vs_default", "speed / default's")], digits={"median_sec": 2, "vs_default": 2})
     return rows
 
 
-def describe_setting(setting: dict) -> str:
-    import torch
+@contextlib.contextmanager
+def evaluate_setting(change: dict):
+    """transformer_cli.evaluate's module settings changed inside, restored after."""
+    from transformer_cli import evaluate as ev
 
-    tokens = setting["CPU_TOKENS_PER_THREAD"]
+    before = {name: getattr(ev, name) for name in change}
+    for name, value in change.items():
+        setattr(ev, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(ev, name, value)
+
+
+def describe_setting() -> str:
+    from transformer_cli import evaluate as ev
+
+    workers, per_worker = ev.cpu_workers()
+    tokens = ev.CPU_TOKENS_PER_THREAD
     batches = "batches of batch_size reviews" if tokens == 0 else f"<= {tokens} tokens/thread"
-    threads = torch.get_num_threads()
-    if setting["CPU_WORKERS"]:
-        return f"{batches}, {threads} workers of 1 thread"
-    return f"{batches}, 1 worker of {threads} threads"
+    return f"{batches}, {workers} worker(s) of {per_worker} thread(s)"
 
 
 def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> dict:

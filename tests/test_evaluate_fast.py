@@ -105,7 +105,7 @@ def two_torch_threads():
 @pytest.mark.parametrize("cfg", [{}, {"pooling": "max", "norm": "post"}, {"pooling": "first"},
                                  {"attention": "explicit"}, {"pos_emb": "sinusoidal"}])
 @pytest.mark.parametrize("max_tokens", [64, 200, 10**9])
-@pytest.mark.parametrize("workers", [True, False])
+@pytest.mark.parametrize("workers", [4, 1])
 def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
     monkeypatch.setattr(ev, "CPU_WORKERS", workers)
@@ -130,6 +130,15 @@ class RecordingModel(torch.nn.Module):
         return self.model(ids, mask)
 
 
+@pytest.mark.parametrize("threads, cap, split", [(2, 4, (2, 1)), (1, 4, (1, 1)), (8, 4, (4, 2)), (6, 4, (3, 2)),
+                                                 (64, 4, (4, 16)), (5, 4, (2, 2)), (3, 1, (1, 3))])
+def test_cpu_workers_share_the_threads_evenly_up_to_the_cap(threads, cap, split, monkeypatch, two_torch_threads):
+    monkeypatch.setattr(ev, "CPU_WORKERS", cap)
+    torch.set_num_threads(threads)
+    assert ev.cpu_workers() == split
+    assert ev.cpu_batch_tokens() == ev.CPU_TOKENS_PER_THREAD * split[1]  # per batch: its worker's threads
+
+
 def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     model, enc = random_model(seed=2), random_encoded(120, seed=2)
@@ -141,10 +150,23 @@ def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch
     assert threading.get_ident() not in {c[0] for c in recorder.calls}
     assert len({c[0] for c in recorder.calls}) <= 2
     assert torch.get_num_threads() == 2  # restored
-    monkeypatch.setattr(ev, "CPU_WORKERS", False)  # the reference: each operation on both threads
+    monkeypatch.setattr(ev, "CPU_WORKERS", 1)  # the reference: each operation on both threads
     one = RecordingModel(model)
     torch.testing.assert_close(fast, ev._logits(one, enc, batches, CPU, 2), atol=1e-5, rtol=0)
     assert set(one.calls) == {(threading.get_ident(), 2, True)}
+
+
+def test_cpu_workers_of_two_threads_each(monkeypatch, two_torch_threads):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
+    monkeypatch.setattr(ev, "CPU_WORKERS", 2)
+    torch.set_num_threads(4)  # 2 workers of 2 threads (oversubscribed on a 2-core machine: correctness only)
+    model, enc = random_model(seed=3), random_encoded(120, seed=3)
+    recorder = RecordingModel(model)
+    fast = ev._logits(recorder, enc, ev._batches(enc, 16, CPU), CPU, 2)
+    assert {c[1:] for c in recorder.calls} == {(2, True)}  # two torch threads each, inference mode
+    assert threading.get_ident() not in {c[0] for c in recorder.calls}
+    assert torch.get_num_threads() == 4
+    torch.testing.assert_close(fast, one_at_a_time_logits(model, enc).float(), atol=1e-5, rtol=0)
 
 
 def test_cpu_workers_restore_the_threads_when_a_batch_fails(monkeypatch, two_torch_threads):

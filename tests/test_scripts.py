@@ -81,13 +81,13 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     (result,) = json.loads(out.read_text())["throughput"]
     rows = result["compare"]
     assert [r["setting"] for r in rows] == [
-        "default (<= 4096 tokens/thread, 2 workers of 1 thread)",  # 4096 is the default: not repeated
-        "batches of batch_size reviews, 2 workers of 1 thread",
-        "<= 64 tokens/thread, 2 workers of 1 thread",
-        "<= 4096 tokens/thread, 1 worker of 2 threads",
+        "default: <= 4096 tokens/thread, 2 worker(s) of 1 thread(s)",  # 4096 is the default: not repeated
+        "batches of batch_size reviews, 2 worker(s) of 1 thread(s)",
+        "<= 64 tokens/thread, 2 worker(s) of 1 thread(s)",
+        "<= 4096 tokens/thread, 1 worker(s) of 2 thread(s)",
     ]
     assert rows[0]["vs_default"] == 1.0 and all(r["reviews_per_sec"] > 0 for r in rows)
-    assert "2 threads in 2 worker(s)" in done.stdout
+    assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s); load" in done.stdout
 
 
 @needs_cxx

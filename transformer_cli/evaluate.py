@@ -5,8 +5,10 @@ little padding, and cut into batches of at most `batch_size` reviews. On the CPU
 holds at most `CPU_TOKENS_PER_THREAD` padded tokens per torch thread: the activations of a few
 thousand tokens per core stay in its caches, which made the forward pass 1.5-2x faster per review
 than batches of 256 reviews of up to 256 tokens (`scripts/bench_infer.py --compare-tokens-per-thread
-0,2048,4096,8192` measures it). With `CPU_WORKERS`, the CPU's torch threads do not share each
-operation: each is a worker that runs whole batches on one core (`--compare-workers` measures it).
+0,2048,4096,8192` measures it). The CPU's torch threads are split between up to `CPU_WORKERS`
+workers, each running whole batches on its share, rather than all threads sharing each operation:
+on 2 cores, 2 workers of one thread were 1.2-1.3x faster (`--compare-workers` measures it). The cap
+keeps the workers' Python work, serialised by the GIL, small beside their batches on many cores.
 Logits are gathered in input order into one tensor, and loss, confusion matrix and probabilities are
 computed from it once.
 """
@@ -26,15 +28,18 @@ from transformer_cli.errors import TfmError
 from transformer_cli.runtime import Runtime
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
-CPU_WORKERS = True  # on the CPU, one worker per torch thread, each running whole batches on one thread
+CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
 
 
-def cpu_workers() -> int:
-    return torch.get_num_threads() if CPU_WORKERS else 1
+def cpu_workers() -> tuple[int, int]:
+    """(workers, torch threads per worker): as many workers as the cap allows, threads shared evenly."""
+    threads = torch.get_num_threads()
+    per_worker = -(-threads // max(1, CPU_WORKERS))  # ceil
+    return threads // per_worker, per_worker
 
 
 def cpu_batch_tokens() -> int:
-    return CPU_TOKENS_PER_THREAD * (1 if CPU_WORKERS else torch.get_num_threads())
+    return CPU_TOKENS_PER_THREAD * cpu_workers()[1]
 
 
 def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime) -> list[np.ndarray]:
@@ -74,12 +79,12 @@ def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_lab
             with rt.autocast():
                 return model(ids, mask).float().cpu()
 
-    workers = cpu_workers() if rt.device.type == "cpu" else 1
+    workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
     if workers > 1 and len(batches) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
-        with one_torch_thread():
-            pool = ThreadPoolExecutor(workers)  # its threads start inside, so they take the setting
+        with torch_threads(per_worker):  # torch's thread count is per thread: each worker sets its own
+            pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
             try:
                 results = list(pool.map(forward, batches))
             finally:  # on an error or Ctrl-C, batches not started yet are dropped, not run
@@ -93,14 +98,14 @@ def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_lab
 
 
 @contextlib.contextmanager
-def one_torch_thread():
-    """torch's intra-op threads set to one inside, and restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n inside, and restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        torch.set_num_threads(before)
 
 
 def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int) -> dict:
