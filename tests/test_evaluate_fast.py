@@ -156,6 +156,14 @@ def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch
     assert set(one.calls) == {(threading.get_ident(), 2, True)}
 
 
+def test_cpu_logits_are_the_same_on_one_thread_and_on_two_workers(two_torch_threads):
+    model, enc = random_model(seed=4), random_encoded(150, seed=4)
+    two = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2)  # 2 workers of one thread
+    torch.set_num_threads(1)
+    one = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2)  # the same batches, in this thread
+    assert torch.equal(one, two)  # bit for bit: a validation figure does not depend on the thread count
+
+
 def test_cpu_workers_of_two_threads_each(monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     monkeypatch.setattr(ev, "CPU_WORKERS", 2)
