@@ -24,7 +24,9 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
         assert test["num_examples"] == 200 and f"{test['accuracy']:.2%}" in row
     assert "quick: test accuracy" in first.stdout and "over 2 seeds" in first.stdout
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # finished runs are not repeated
+    assert all("train.max_steps=3" in row and "--seed" in row for row in rows)
+    # Finished runs are not repeated, and their rows show the command that trained them, not this one.
+    again = subprocess.run([*cmd, "train.log_every=7"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "$ " not in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("| quick |")] == rows
 
