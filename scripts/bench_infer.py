@@ -211,18 +211,22 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
             labels.append(("default: " if not change else "") + describe_setting())
     part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
     times: list[list[float]] = [[] for _ in changes]
+    results: list[dict] = [{} for _ in changes]
     for _ in range(args.compare_rounds):
-        for change, ts in zip(changes, times):
+        for change, ts, result in zip(changes, times, results):
             with evaluate_setting(change):
                 t0 = bc.now()
-                ev.evaluate_model(model, part, rt, batch_size, num_labels)
+                result.update(ev.evaluate_model(model, part, rt, batch_size, num_labels))
                 ts.append(bc.now() - t0)
     rows = [{"setting": label, "median_sec": statistics.median(ts),
              "reviews_per_sec": len(part) / statistics.median(ts),
-             "vs_default": statistics.median(d / t for d, t in zip(times[0], ts))} for label, ts in zip(labels, times)]
+             "vs_default": statistics.median(d / t for d, t in zip(times[0], ts)),
+             "accuracy": result["accuracy"], "loss": result["loss"]}
+            for label, ts, result in zip(labels, times, results)]
     print(f"   CPU batching, {len(part)} reviews, {args.compare_rounds} interleaved rounds:")
     bc.print_table(rows, [("setting", "setting"), ("median_sec", "seconds"), ("reviews_per_sec", "reviews/s"),
-                          ("vs_default", "speed / default's")], digits={"median_sec": 2, "vs_default": 2})
+                          ("vs_default", "speed / default's"), ("accuracy", "accuracy"), ("loss", "loss")],
+                   digits={"median_sec": 2, "vs_default": 2, "accuracy": 4, "loss": 6})
     return rows
 
 

@@ -139,3 +139,20 @@ def trained_run(synthetic_data_dir, tmp_path_factory) -> tuple[Path, dict]:
 @pytest.fixture(scope="session")
 def trained_dir(trained_run) -> Path:
     return trained_run[0]
+
+
+# --------------------------------------------------------------------------- the reference inference path
+
+
+def one_at_a_time_logits(model, enc):
+    """The reference for every batched inference path: each review of an `Encoded` split alone,
+    batch of one, no padding, no mask doing any work. `model` is any callable (ids, mask) -> logits."""
+    import numpy as np
+    import torch
+
+    rows = []
+    with torch.no_grad():
+        for i in range(len(enc)):
+            ids = torch.from_numpy(enc.ids[enc.offsets[i] : enc.offsets[i + 1]].astype(np.int64))[None]
+            rows.append(model(ids, torch.ones_like(ids, dtype=torch.bool))[0])
+    return torch.stack(rows).double()

@@ -65,6 +65,7 @@ def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, te
         assert p["label"] == max(p["probabilities"], key=p["probabilities"].get)
     texts = [r["text"] for r in test_rows[:25]]
     reversed_predictions = predict_texts(trained_dir, texts[::-1], device="cpu", batch_size=4)
+    assert len(reversed_predictions) == len(texts)
     for a, b in zip(reversed_predictions[::-1], test_predictions[:25]):
         assert a["label"] == b["label"]
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)

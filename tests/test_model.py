@@ -334,8 +334,6 @@ def test_cpu_dropout_behaves_as_f_dropout(p):
     torch.testing.assert_close(y[kept], x[kept] / (1 - p))  # survivors scaled by 1 / (1 - p), as F.dropout does
     n = x.numel()
     assert abs((~kept).float().mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
-    ref_dropped = (F.dropout(x, p, training=True) == 0).float().mean().item()
-    assert abs(ref_dropped - p) < 4 * math.sqrt(p * (1 - p) / n)
     y.sum().backward()  # the gradient passes the same mask and scale
     torch.testing.assert_close(x.grad, kept.float() / (1 - p))
     torch.manual_seed(1)

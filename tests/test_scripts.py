@@ -32,8 +32,11 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
 
 
 def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):
-    from conftest import tiny_config
+    import torch
+    from conftest import one_at_a_time_logits, tiny_config
 
+    from transformer_cli.checkpoint import load_model_dir
+    from transformer_cli.data import prepare_train_data
     from transformer_cli.train import train
 
     metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256), progress=False)
@@ -42,8 +45,19 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["model"] == metrics["val"]["accuracy"]  # the same split and model as training validated
-    assert set(result) == {"model", "ngrams_only", "transformer_only"}
-    assert all(0.0 <= v <= 1.0 for v in result.values())
+    # Each path scored against the reference: its logits, one review at a time.
+    model, cfg, _, _ = load_model_dir(tmp_path / "run", torch.device("cpu"))
+    val = prepare_train_data(cfg.data, cfg.train.seed).val
+
+    def accuracy(logits) -> float:
+        return float((logits.argmax(-1).numpy() == val.labels).mean())
+
+    want = {"model": accuracy(one_at_a_time_logits(model, val)),
+            "ngrams_only": accuracy(one_at_a_time_logits(model.ngrams, val))}
+    with torch.no_grad():
+        model.ngrams.table.weight.zero_()
+    want["transformer_only"] = accuracy(one_at_a_time_logits(model, val))
+    assert result == want
 
     plain = tmp_path / "plain"
     train(tiny_config(synthetic_data_dir, plain, train__max_steps=2), progress=False)
@@ -64,7 +78,7 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     assert [r["variant"] for r in rows] == ["(a) ours", "(a) ours + n-gram path, lazy embeddings",
                                             "(a) ours, foreach AdamW", "(a) ours, 1 head", "(b) naive former-style"]
     assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2]
-    assert all(r["samples_per_sec"] > 0 and not r["note"] for r in rows)  # a note means a non-finite loss
+    assert not any(r["note"] for r in rows)  # a note means a non-finite loss
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
     bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr
@@ -88,7 +102,9 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
         "<= 64 tokens/thread, 2 worker(s) of 1 thread(s)",
         "<= 4096 tokens/thread, 1 worker(s) of 2 thread(s)",
     ]
-    assert rows[0]["vs_default"] == 1.0 and all(r["reviews_per_sec"] > 0 for r in rows)
+    for row in rows:  # every setting computes the same predictions; only the speed may differ
+        assert row["accuracy"] == rows[0]["accuracy"] and row["loss"] == pytest.approx(rows[0]["loss"], abs=1e-6)
+        assert row["reviews_per_sec"] == pytest.approx(120 / row["median_sec"])
     assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s); load" in done.stdout
 
 
@@ -104,4 +120,4 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
     assert result["reviews"] == 200 and result["accuracy"] > 0.5  # the trained tiny model, on the synthetic test split
     compiled = result["compile"]
     assert compiled["same_label"] == 1.0 and compiled["max_abs_logit_diff"] < 1e-4
-    assert compiled["eager_sec"] > 0 and compiled["compiled_sec"] > 0
+    assert compiled["vs_eager"] == pytest.approx(compiled["eager_sec"] / compiled["compiled_sec"])

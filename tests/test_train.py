@@ -5,6 +5,7 @@ import os
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import needs_cxx, tiny_config
 from safetensors.torch import load_file
@@ -99,6 +100,12 @@ def test_output_directory_holds_exactly_the_documented_files(trained_dir):
     assert len(events) == 1
     assert sorted(set(names) - set(events)) == sorted(
         [ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE, ckpt.CKPT_DIR])
+    # Every checkpoint_every (20) steps and at each epoch's end (23, 46): all kept (keep_checkpoints=100).
+    steps = sorted(p.name for p in (trained_dir / ckpt.CKPT_DIR).iterdir())
+    assert steps == ["step-00000020", "step-00000023", "step-00000040", "step-00000046"]
+    for step in steps:
+        files = sorted(p.name for p in (trained_dir / ckpt.CKPT_DIR / step).iterdir())
+        assert files == sorted([ckpt.COMPLETE, ckpt.MODEL_FILE, "state.pt", "trainer.json"]), step
 
 
 def test_metrics_file_matches_the_returned_metrics(trained_run, tiny_cfg):
@@ -270,6 +277,9 @@ def test_ema_run_saves_the_average_and_resumes_exactly(synthetic_data_dir, tmp_p
 
 
 def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_dir, tmp_path):
+    from conftest import one_at_a_time_logits
+
+    from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.evaluate import predict_texts
 
     cfg = tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256, model__ngram_lr_scale=4.0,
@@ -280,9 +290,13 @@ def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_
     assert [g["lr"] for g in tensors["optimizer"]["param_groups"]] == [lr, lr, 4.0 * lr]
     saved = load_file(tmp_path / "run" / ckpt.MODEL_FILE)
     assert saved["ngrams.table.weight"].abs().sum() > 0  # it learned, and was saved with the rest
-    model, _, _, _ = ckpt.load_model_dir(tmp_path / "run")
+    model, cfg, tokenizer, _ = ckpt.load_model_dir(tmp_path / "run")
     assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
-    assert predict_texts(tmp_path / "run", ["a review"], device="cpu")[0]["label"] in ("neg", "pos")
+    texts = ["a great superb film", "an awful boring film"]
+    ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+    want = one_at_a_time_logits(model, Encoded(ids, offsets, np.zeros(2, dtype=np.int64))).softmax(-1)
+    got = [p["probabilities"] for p in predict_texts(tmp_path / "run", texts, device="cpu")]
+    np.testing.assert_allclose([[p["neg"], p["pos"]] for p in got], want.numpy(), atol=1e-6)
 
 
 def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp_path):
