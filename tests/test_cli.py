@@ -171,13 +171,48 @@ def test_predict_with_a_missing_checkpoint_fails_cleanly(tmp_path):
         (lambda ckpt, tmp: ["train", "-o", tmp / "out", "not-an-override"], "not-an-override"),
         (lambda ckpt, tmp: ["train", "-o", tmp / "out", "model.nope=1"], "model.nope"),
         (lambda ckpt, tmp: ["train", "-o", tmp / "out", "train.lr=-1"], "train.lr"),
+        (lambda ckpt, tmp: ["train", "-o", tmp / "out", "--device", "cuda:x"], "train.device = 'cuda:x'"),
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, "--device", "gpu", "text"], "--device gpu: unknown device"),
+        (lambda ckpt, tmp: ["evaluate", "-c", ckpt, "--device", "cuda0"], "--device cuda0: unknown device"),
     ],
     ids=["empty-text", "file-is-dir", "file-missing", "text-and-file", "override-no-section",
-         "override-no-equals", "unknown-key", "invalid-value"],
+         "override-no-equals", "unknown-key", "invalid-value", "train-device", "predict-device", "evaluate-device"],
 )
 def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
     assert_fails_cleanly(tfm(*make_args(cli_run, tmp_path)), 2, fragment)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "used"), [
+    ([], "/env"),
+    (["data.source=/override"], "/override"),
+    (["--data", "/option", "data.source=/override"], "/option"),
+], ids=["env", "override-beats-env", "option-beats-both"])
+def test_tfm_data_ranks_below_data_and_data_source(tmp_path, monkeypatch, args, used):
+    monkeypatch.setenv("TFM_DATA", "/env")
+    result = tfm("train", "-o", tmp_path / "out", *args)
+    assert_fails_cleanly(result, 2, f"data path '{used}' does not exist")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["train", "--epochs", "abc"], "Invalid value for '--epochs'"),
+    (["predict", "--nope"], "No such option: --nope (see 'tfm predict --help')"),
+    (["predict", "--batch-size", "0", "text"], "Invalid value for '--batch-size'"),
+    (["evaluate", "--max-samples", "-1"], "Invalid value for '--max-samples'"),
+    (["nosuch"], "No such command 'nosuch'. (see 'tfm --help')"),
+], ids=["bad-int", "unknown-option", "below-min", "negative", "unknown-command"])
+def test_command_line_errors_are_one_line_too(args, fragment):
+    """What click itself refuses, before a command runs (it would draw a multi-line box)."""
+    r = python("-m", "transformer_cli", *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("tfm: error: ") and fragment in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
+def test_tfm_alone_prints_the_help():
+    r = python("-m", "transformer_cli")
+    assert r.returncode == 2 and "Usage: tfm" in r.stdout + r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(("content", "fragment"), [

@@ -55,7 +55,7 @@ def train(
         help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
         show_default=False)] = None,
     config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
-    data: Annotated[str | None, typer.Option(envvar="TFM_DATA", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s).", show_default=False)] = None,
+    data: Annotated[str | None, typer.Option(help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s); default: env TFM_DATA, else the config's.", show_default=False)] = None,
     output_dir: Annotated[Path | None, typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Passes over the training split.")] = None,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
@@ -86,6 +86,8 @@ def train(
 
         values = parse_overrides(overrides or [])
         values.update({k: v for k, v in options.items() if v is not None})
+        if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
+            values["data.source"] = os.environ["TFM_DATA"]
         cfg = load_config(config, values)
         from transformer_cli.train import train as run_train
 
@@ -185,8 +187,38 @@ def evaluate(
     typer.echo(f"  confusion  true {neg}: {tn} {neg} / {fp} {pos};  true {pos}: {fn} {neg} / {tp} {pos}")
 
 
+def _click_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
+    """(ClickException, UsageError, NoArgsIsHelpError) of the click that typer runs on (typer >= 0.29
+    vendors its own copy, so `import click` would not catch them)."""
+    by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
+    click_exception, usage_error = by_name["ClickException"], by_name["UsageError"]
+    no_args = next((c for c in usage_error.__subclasses__() if c.__name__ == "NoArgsIsHelpError"), ())
+    return click_exception, usage_error, no_args
+
+
 def main() -> None:
-    app(prog_name="tfm")
+    """Run the app; errors in the command line itself (an unknown option, a value of the wrong type)
+    become one line too, instead of click's boxed message."""
+    click_exception, usage_error, no_args = _click_errors()
+    try:
+        code = app(prog_name="tfm", standalone_mode=False)
+    except no_args as e:  # `tfm` alone: the help (typer prints it with rich itself), exit code 2
+        if e.format_message():
+            e.show()
+        sys.exit(e.exit_code)
+    except usage_error as e:
+        see = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        _exit_with_error(" ".join(e.format_message().split()) + see, e.exit_code)
+    except click_exception as e:
+        _exit_with_error(" ".join(e.format_message().split()), e.exit_code)
+    except typer.Abort:  # Ctrl-C outside a command's own handling
+        _exit_with_error("interrupted", 130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_with_error(message: str, code: int) -> None:
+    typer.echo(f"tfm: error: {message}", err=True)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

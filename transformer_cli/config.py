@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,8 @@ from typing import Any, Literal
 import tomllib
 
 from transformer_cli.errors import UsageError
+
+DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
 
 
 class _Section:
@@ -229,7 +232,7 @@ class TrainConfig(_Section):
             self._fail("ema_decay", "must be in [0, 1) (0 disables the average)")
         if self.batch_size % self.grad_accum_steps:
             self._fail("batch_size", f"must be divisible by train.grad_accum_steps = {self.grad_accum_steps}")
-        if not (self.device in ("auto", "cpu", "mps", "cuda") or self.device.startswith("cuda:")):
+        if not DEVICE_NAME.fullmatch(self.device):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
 
 

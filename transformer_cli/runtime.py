@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from transformer_cli.config import DEVICE_NAME
 from transformer_cli.errors import UsageError
 
 
@@ -68,6 +69,8 @@ class Runtime:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if not DEVICE_NAME.fullmatch(name):
+        raise UsageError(f"--device {name}: unknown device; use auto, cpu, cuda, cuda:N or mps")
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank)
@@ -76,6 +79,9 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         "numbered from 0")
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise UsageError("--device mps: MPS is not available on this machine; use --device cpu or auto")
     if name == "cuda":
