@@ -149,3 +149,43 @@ def test_make_optimizer_uses_the_fused_kernel_on_cpu_and_equals_foreach_adamw():
     for (name, a), b in zip(fast.named_parameters(), slow.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(fast.ngrams.table.weight, torch.zeros_like(fast.ngrams.table.weight))  # it learned
+
+
+def test_lazy_embeddings_give_the_dense_gradients_and_a_fused_lazyadamw_step_equals_adamw():
+    """`model.lazy_embeddings`: the model's sparse gradients are its dense twin's, their norm is the
+    same, and the first step of make_optimizer's fused LazyAdamW equals AdamW's (without weight decay,
+    rows outside the batch have nothing to move them on a first step; later they would keep AdamW's
+    momentum, see test_rows_missing_from_a_step_keep_weights_and_moments)."""
+    from transformer_cli.config import ModelConfig, TrainConfig
+    from transformer_cli.model import CTransformer
+    from transformer_cli.optim import make_optimizer
+
+    tc = TrainConfig(weight_decay=0.0)
+    sizes = {"d_model": 16, "n_heads": 2, "n_layers": 1, "ngram_buckets": 64, "dropout": 0.0, "token_dropout": 0.0}
+    torch.manual_seed(0)
+    lazy = CTransformer(ModelConfig(**sizes, lazy_embeddings=True), 50, 16)
+    dense = CTransformer(ModelConfig(**sizes), 50, 16)
+    dense.load_state_dict(lazy.state_dict())
+    with torch.no_grad():  # a table that has learned something, so that its gradients flow everywhere
+        for table in (lazy.ngrams.table.weight, dense.ngrams.table.weight):
+            table.copy_(torch.linspace(-1, 1, table.numel()).view_as(table))
+    g = torch.Generator().manual_seed(3)
+    ids, y = torch.randint(1, 50, (4, 16), generator=g), torch.randint(0, 2, (4,), generator=g)
+    mask = torch.arange(16) < torch.tensor([16, 11, 5, 16])[:, None]  # (B, T) with padding
+    for m in (lazy, dense):
+        m(ids, mask, y)[1].backward()
+    sparse_names = [n for n, p in lazy.named_parameters() if p.grad.is_sparse]
+    assert sparse_names == ["encoder.tok_emb.weight", "ngrams.table.weight"]
+    for (name, a), b in zip(lazy.named_parameters(), dense.parameters(), strict=True):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad, rtol=1e-6, atol=1e-7, msg=name)
+    norm = clip_grad_norm_(lazy.parameters(), 0.1)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.1))
+    opt = make_optimizer(lazy, tc, torch.device("cpu"))
+    assert type(opt) is LazyAdamW and all(g["fused"] for g in opt.param_groups)
+    ref = torch.optim.AdamW(dense.param_groups(0.0), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    before = copy.deepcopy(dense.state_dict())
+    opt.step()
+    ref.step()
+    for (name, a), b in zip(lazy.named_parameters(), dense.parameters(), strict=True):
+        assert not torch.equal(b, before[name]), name  # every parameter moved
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

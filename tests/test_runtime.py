@@ -1,0 +1,125 @@
+"""The runtime context: device and precision choices, refusals, and mixed precision against fp32."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from transformer_cli import checkpoint as ckpt
+from transformer_cli import runtime
+from transformer_cli.errors import UsageError
+from transformer_cli.runtime import Runtime, make_runtime, resolve_device, resolve_precision
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
+def test_unknown_device_names_are_usage_errors(name):
+    with pytest.raises(UsageError, match="unknown device; use auto, cpu, cuda, cuda:N or mps"):
+        resolve_device(name)
+
+
+def test_devices_this_machine_has_and_has_not(monkeypatch):
+    assert resolve_device("cpu") == CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert resolve_device("auto") == CPU
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(UsageError, match="CUDA is not available"):
+            resolve_device(name)
+    with pytest.raises(UsageError, match="MPS is not available"):
+        resolve_device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", local_rank=1) == torch.device("cuda", 1)  # each torchrun process its own GPU
+    assert resolve_device("cuda", local_rank=1) == torch.device("cuda", 1)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(UsageError, match="has 2 CUDA device"):
+        resolve_device("cuda:2")
+
+
+def test_precision_choices_on_the_cpu(monkeypatch):
+    assert resolve_precision("auto", CPU) is None  # fp32: measured fastest here (README, Performance)
+    assert resolve_precision("fp32", CPU) is None
+    with pytest.raises(UsageError, match="fp16 is not supported on CPU"):
+        resolve_precision("fp16", CPU)
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: False)
+    with pytest.raises(UsageError, match="no native bf16"):
+        resolve_precision("bf16", CPU)
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_precision("bf16", CPU) is torch.bfloat16
+
+
+def test_precision_auto_on_cuda_prefers_bf16(monkeypatch):
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_precision("auto", gpu) is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_precision("auto", gpu) is torch.float16
+
+
+def test_grad_scaler_only_for_fp16():
+    assert [Runtime(CPU, dtype).grad_scaler().is_enabled() for dtype in (None, torch.bfloat16, torch.float16)] == [
+        False, False, True]
+    assert [Runtime(CPU, dtype).precision for dtype in (None, torch.bfloat16, torch.float16)] == ["fp32", "bf16", "fp16"]
+
+
+def test_single_process_runtime(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    rt = make_runtime("cpu", "fp32")
+    assert (rt.device, rt.amp_dtype, rt.rank, rt.world_size, rt.is_main, rt.distributed) == (
+        CPU, None, 0, 1, True, False)
+    assert rt.all_sum([1.5, 2.0]) == [1.5, 2.0]
+    (ids,) = rt.tensors(np.arange(6, dtype=np.int32).reshape(2, 3))
+    assert ids.dtype == torch.int32 and ids.device == CPU and ids.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+# --------------------------------------------------------------------------- bf16 autocast against fp32
+
+
+def test_bf16_autocast_logits_are_close_to_fp32():
+    from transformer_cli.config import ModelConfig
+    from transformer_cli.model import CTransformer
+
+    torch.manual_seed(0)
+    model = CTransformer(ModelConfig(d_model=32, n_heads=2, n_layers=2, ngram_buckets=64), 100, 24).eval()
+    with torch.no_grad():
+        model.ngrams.table.weight.normal_(std=0.1)  # the n-gram path speaks too
+    ids = torch.randint(1, 100, (6, 24))
+    mask = torch.arange(24) < torch.tensor([24, 20, 9, 1, 24, 13])[:, None]  # (B, T) with padding
+    with torch.no_grad():
+        want = model(ids, mask)
+        with Runtime(CPU, torch.bfloat16).autocast():
+            got = model(ids, mask)
+        with Runtime(CPU, None).autocast():
+            assert torch.equal(model(ids, mask), want)  # fp32: autocast is off
+    assert not torch.equal(got.float(), want)  # the matmuls ran in bf16 ...
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # ... within bf16's precision
+
+
+def test_a_bf16_training_run_follows_the_fp32_run(synthetic_data_dir, tmp_path, monkeypatch):
+    """train.precision=bf16 (on CPUs with native bf16; here allowed by hand, emulated): the same
+    steps, losses within bf16's precision, and the saved weights stay fp32."""
+    from transformer_cli.train import train
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
+    runs, weights = {}, {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        cfg = tiny_config(synthetic_data_dir, out, train__precision=precision, train__max_steps=12,
+                          train__log_every=1, model__dropout=0.0)
+        runs[precision] = train(cfg, progress=False)
+        weights[precision] = saved = load_file(str(out / ckpt.MODEL_FILE))
+        assert {t.dtype for t in saved.values()} == {torch.float32}
+        assert json.loads((out / ckpt.CONFIG_FILE).read_text())["train"]["precision"] == precision
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    assert fp32["steps"] == bf16["steps"] == 12
+    assert not torch.equal(weights["fp32"]["head.weight"], weights["bf16"]["head.weight"])  # bf16 did the arithmetic
+    for name, w in weights["fp32"].items():
+        torch.testing.assert_close(weights["bf16"][name], w, atol=0.05, rtol=0.05, msg=name)
+    assert bf16["val"]["loss"] == pytest.approx(fp32["val"]["loss"], rel=0.05)
+    assert abs(bf16["val"]["accuracy"] - fp32["val"]["accuracy"]) <= 0.1
