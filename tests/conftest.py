@@ -156,3 +156,12 @@ def one_at_a_time_logits(model, enc):
             ids = torch.from_numpy(enc.ids[enc.offsets[i] : enc.offsets[i + 1]].astype(np.int64))[None]
             rows.append(model(ids, torch.ones_like(ids, dtype=torch.bool))[0])
     return torch.stack(rows).double()
+
+
+def read_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} over every TensorBoard event file in `path`, as TensorBoard shows them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

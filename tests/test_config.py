@@ -69,10 +69,13 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"model": {"ngram_lr_scale": float("nan")}}, ["model.ngram_lr_scale", "nan"]),
         ({"model": {"ngram_lr_scale": 0}}, ["model.ngram_lr_scale", "0"]),
         ({"model": {"ngram_order": 0}}, ["model.ngram_order", "0"]),
+        ({"train": {"checkpoint_every": -1}}, ["train.checkpoint_every", "-1", "0: checkpoint at epoch ends only"]),
+        ({"train": {"device": "cuda:x"}}, ["train.device", "'cuda:x'"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
-         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0"],
+         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
+         "device"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:

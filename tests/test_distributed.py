@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import read_scalars
 from safetensors.torch import load_file
 
 
@@ -46,6 +47,11 @@ def test_two_processes_equal_one_with_the_same_global_batch(synthetic_data_dir, 
     assert m2["val"]["confusion_matrix"] == m1["val"]["confusion_matrix"]
     assert m2["val"]["loss"] == pytest.approx(m1["val"]["loss"], rel=1e-4)
     assert m2["steps"] == m1["steps"]
+    # train/loss is the mean over the global batch, as in one process (not rank 0's half).
+    l2, l1 = read_scalars(ddp)["train/loss"], read_scalars(single)["train/loss"]
+    assert [s for s, _ in l2] == [s for s, _ in l1]
+    for (step, a), (_, b) in zip(l2, l1):
+        assert a == pytest.approx(b, rel=1e-3), step
 
 
 def test_resume_with_another_world_size_is_refused(synthetic_data_dir, tmp_path):

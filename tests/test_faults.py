@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, tiny_config
+from conftest import CONFIGS, REPO, read_scalars, tiny_config
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -75,14 +75,7 @@ def assert_one_line_error(result, code: int, *fragments: str) -> str:
 
 
 def scalars(path: Path, tag: str) -> list[tuple[int, float]]:
-    """(step, value) of a TensorBoard tag over every event file in `path`, as TensorBoard shows them."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-    acc.Reload()
-    if tag not in acc.Tags()["scalars"]:
-        return []
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
+    return read_scalars(path).get(tag, [])
 
 
 def step_of(folder: Path) -> int:

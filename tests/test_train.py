@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import needs_cxx, tiny_config
+from conftest import needs_cxx, read_scalars, tiny_config
 from safetensors.torch import load_file
 
 from transformer_cli import checkpoint as ckpt
@@ -22,14 +22,6 @@ N_TRAIN = 360
 
 def steps_per_epoch(cfg) -> int:
     return math.ceil(N_TRAIN / cfg.train.batch_size)
-
-
-def read_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def final_weights(out: Path) -> dict:
@@ -177,6 +169,63 @@ def test_a_run_that_died_before_its_first_checkpoint_can_be_restarted(tiny_cfg, 
     except UsageError:  # "already holds a run; pass --resume"
         metrics = train(tiny_cfg, resume=True, progress=False)
     assert metrics["steps"] == steps_per_epoch(tiny_cfg) * tiny_cfg.train.epochs
+
+
+@pytest.mark.parametrize("max_steps", [20, 46], ids=["mid-epoch", "epoch-ends"])  # 23 steps an epoch
+def test_the_last_step_is_validated_and_saved_once(synthetic_data_dir, tmp_path, monkeypatch, max_steps):
+    """A step that is both a multiple of eval_every/checkpoint_every and the run's (or an epoch's)
+    last is validated and checkpointed once, not once in the loop and again after it."""
+    saved = []
+    save = train_mod.save_checkpoint
+    monkeypatch.setattr(train_mod, "save_checkpoint", lambda run: saved.append(run.state.step) or save(run))
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=max_steps, train__eval_every=max_steps // 2,
+                      train__checkpoint_every=max_steps // 2), progress=False)
+    half = max_steps // 2
+    assert saved == [half, max_steps]
+    assert [s for s, _ in read_scalars(out)["val/accuracy"]] == [half, max_steps]
+
+
+def test_checkpoint_every_0_checkpoints_at_epoch_ends_only(synthetic_data_dir, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__checkpoint_every=0, train__keep_checkpoints=100), progress=False)
+    assert [p.name for p in ckpt.checkpoint_dirs(out)] == ["step-00000023", "step-00000046"]
+
+
+def test_samples_per_sec_leaves_validation_and_checkpoints_out(synthetic_data_dir, tmp_path, monkeypatch):
+    """On a clock that advances 1 ms per reading and 1,000 s per validation or checkpoint, each logged
+    train/samples_per_sec is that of the steps alone; train_time_sec, the loop's wall time, has them."""
+    import time as real_time
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self) -> float:
+            self.now += 1e-3
+            return self.now
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    def taking_1000_s(fn):
+        def slow(*args):
+            clock.now += 1000
+            return fn(*args)
+        return slow
+
+    clock = Clock()
+    monkeypatch.setattr(train_mod, "time", clock)
+    for name in ("validate", "save_checkpoint"):
+        monkeypatch.setattr(train_mod, name, taking_1000_s(getattr(train_mod, name)))
+    out = tmp_path / "run"
+    metrics = train(tiny_config(synthetic_data_dir, out, train__max_steps=20, train__log_every=4,
+                                train__eval_every=6, train__checkpoint_every=7), progress=False)
+    speeds = read_scalars(out)["train/samples_per_sec"]
+    assert [s for s, _ in speeds] == [4, 8, 12, 16, 20]
+    assert min(v for _, v in speeds) > 64 / 1.0  # 4 steps of 16 samples took well under a second ...
+    # ... while the loop's time has validations at 6, 12, 18 and 20 and checkpoints at 7 and 14 (the one
+    # at 20 comes after the time is taken)
+    assert 6000 < metrics["train_time_sec"] < 6001
 
 
 # --------------------------------------------------------------------------- resume
@@ -346,6 +395,28 @@ def test_a_resumed_runs_event_file_sorts_after_one_from_the_same_second(tmp_path
     assert read_scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0)]
     newest = max(tmp_path.glob("events.out.tfevents.*"), key=lambda p: p.name)
     assert newest != earlier and int(newest.name.split(".")[3]) > second
+
+
+@pytest.mark.parametrize(("now", "waited"), [(1_000_000.25, [0.75]), (1_000_001.5, []), (999_990.0, [])],
+                         ids=["same-second", "next-second", "file-from-the-future"])
+def test_a_resume_waits_for_the_next_second_only_within_the_same_second(tmp_path, monkeypatch, now, waited):
+    import time as real_time
+
+    class Clock:
+        def time(self) -> float:
+            return now
+
+        def sleep(self, seconds: float) -> None:
+            slept.append(seconds)
+
+        def __getattr__(self, name):
+            return getattr(real_time, name)
+
+    slept: list[float] = []
+    monkeypatch.setattr(train_mod, "time", Clock())
+    (tmp_path / "events.out.tfevents.1000000.host.123.0").touch()
+    train_mod._wait_to_sort_after_earlier_event_files(tmp_path)
+    assert slept == pytest.approx(waited)
 
 
 @needs_cxx

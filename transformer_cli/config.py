@@ -195,7 +195,7 @@ class TrainConfig(_Section):
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     eval_batch_size: int = 256
     test_at_end: bool = False  # evaluate the best model on the test split after training
-    checkpoint_every: int | None = 500  # steps between resumable checkpoints (and each epoch end)
+    checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
     keep_checkpoints: int = 2
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
@@ -208,7 +208,9 @@ class TrainConfig(_Section):
                 self._fail(name, "must be at least 1")
         if self.eval_every is not None and self.eval_every < 0:
             self._fail("eval_every", "must be at least 0 (0: validate at epoch ends only)")
-        for name in ("max_steps", "checkpoint_every", "num_threads"):
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            self._fail("checkpoint_every", "must be at least 0 (0: checkpoint at epoch ends only)")
+        for name in ("max_steps", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
         if not self.lr > 0:

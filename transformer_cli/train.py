@@ -439,8 +439,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 finite = math.isfinite(objective_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
                 stopping = stop.signum is not None
                 if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
-                    bad, stops = rt.all_sum([float(not finite), float(stopping)])
-                    finite, stopping = bad == 0, stops > 0
+                    bad, stops, loss_sum = rt.all_sum([float(not finite), float(stopping), loss_sum])
+                    finite, stopping, loss_sum = bad == 0, stops > 0, loss_sum / rt.world_size
                 if finite:
                     run.scaler.step(run.optimizer)
                     if run.ema is not None:
@@ -469,21 +469,25 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == total:
                     _log_train(window, st, lr, grad_norm, logger, bar, run)
-                epoch_done = st.batch_in_epoch == len(groups)
-                if tc.eval_every and st.step % tc.eval_every == 0 and not epoch_done:
-                    validate(run, logger)
+                # The last step of an epoch or of the run is validated and saved after this loop, once.
+                last = st.batch_in_epoch == len(groups) or st.step >= total
+                if tc.eval_every and st.step % tc.eval_every == 0 and not last:
+                    with _untimed(window):
+                        validate(run, logger)
                 st.train_time_sec = time.perf_counter() - t_start
-                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 and not epoch_done:
-                    save_checkpoint(run)
-                if stopping and not (epoch_done or st.step >= total):
+                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 and not last:
+                    with _untimed(window):
+                        save_checkpoint(run)
+                if stopping and not last:
                     where = save_checkpoint(run)
                     raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
             if st.batch_in_epoch == len(groups):
                 st.epoch += 1
                 st.batch_in_epoch = 0
-            validate(run, logger)
-            st.train_time_sec = time.perf_counter() - t_start
-            where = save_checkpoint(run)
+            with _untimed(window):
+                validate(run, logger)
+                st.train_time_sec = time.perf_counter() - t_start
+                where = save_checkpoint(run)
             if stopping:  # a stop on the last step of an epoch or run still gets its validation first
                 raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
     if bar is not None:
@@ -493,6 +497,17 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
 def _say(message: str, progress: bool) -> None:
     if progress:
         print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _untimed(window: dict):
+    """Validation and checkpoints inside the loop: left out of train/samples_per_sec (they are in
+    train_time_sec, the loop's wall time)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        window["t0"] += time.perf_counter() - t0
 
 
 def _log_train(window: dict, st: TrainState, lr: float, grad_norm: float, logger: Logger, bar, run: Run) -> None:
