@@ -149,8 +149,23 @@ def test_evaluate_json(cli_run, test_rows):
 def test_evaluate_text_report(cli_run):
     r = tfm("evaluate", "-c", cli_run)
     assert r.exit_code == 0, r.stderr
-    for key in ("accuracy", "precision", "recall", "f1", "loss", "confusion"):
-        assert key in r.stdout
+    m = json.loads(tfm("evaluate", "-c", cli_run, "--json").stdout)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"{m['data']} [test]: {m['num_examples']} examples, ")
+    assert lines[1:6] == [f"  {key:<10} {m[key]:.4f}" for key in ("accuracy", "precision", "recall", "f1", "loss")]
+    (tn, fp), (fn, tp) = m["confusion_matrix"]
+    assert lines[6] == f"  confusion  true neg: {tn} neg / {fp} pos;  true pos: {fn} neg / {tp} pos"
+    assert len(lines) == 7
+
+
+def test_evaluation_report_of_three_labels():
+    from transformer_cli.cli import evaluation_report
+
+    m = {"data": "d", "split": "test", "num_examples": 9, "examples_per_sec": 1.0, "accuracy": 0.5, "precision": 0.5,
+         "recall": 0.5, "f1": 0.5, "loss": 1.0, "labels": ["a", "b", "c"],
+         "confusion_matrix": [[1, 2, 0], [0, 3, 0], [1, 0, 2]]}
+    assert evaluation_report(m).splitlines()[-1] == (
+        "  confusion  true a: 1 a / 2 b / 0 c;  true b: 0 a / 3 b / 0 c;  true c: 1 a / 0 b / 2 c")
 
 
 # --------------------------------------------------------------------------- errors

@@ -176,15 +176,18 @@ def evaluate(
         return evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size)
 
     m = _run(go)
-    if as_json:
-        typer.echo(json.dumps(m))
-        return
-    (tn, fp), (fn, tp) = m["confusion_matrix"]
-    neg, pos = m["labels"]
-    typer.echo(f"{m['data']} [{split}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s")
-    for key in ("accuracy", "precision", "recall", "f1", "loss"):
-        typer.echo(f"  {key:<10} {m[key]:.4f}")
-    typer.echo(f"  confusion  true {neg}: {tn} {neg} / {fp} {pos};  true {pos}: {fn} {neg} / {tp} {pos}")
+    typer.echo(json.dumps(m) if as_json else evaluation_report(m))
+
+
+def evaluation_report(m: dict) -> str:
+    """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of labels."""
+    lines = [f"{m['data']} [{m['split']}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s"]
+    lines += [f"  {key:<10} {m[key]:.4f}" for key in ("accuracy", "precision", "recall", "f1", "loss")]
+    labels = m["labels"]
+    rows = [f"true {name}: " + " / ".join(f"{n} {p}" for n, p in zip(row, labels))
+            for name, row in zip(labels, m["confusion_matrix"])]
+    lines.append("  confusion  " + ";  ".join(rows))
+    return "\n".join(lines)
 
 
 def _click_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
