@@ -254,6 +254,16 @@ def test_load_jsonl_folder(synthetic_data_dir):
         assert splits[name].labels.dtype == np.int64
 
 
+def test_a_dataset_folder_or_id_is_loaded_without_remote_code(synthetic_data_dir, monkeypatch):
+    import datasets
+
+    calls = []
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    load_splits(cfg_for(synthetic_data_dir), ("train",))
+    assert calls == [{"trust_remote_code": False}]
+
+
 def test_load_single_csv_becomes_train(tmp_path, csv_rows):
     path = write_csv(tmp_path / "reviews.csv", csv_rows)
     splits, _ = load_splits(cfg_for(path), ("train",))

@@ -23,6 +23,8 @@ from transformer_cli.errors import TfmError, UsageError, first_line
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
 DEFAULT_LABELS = ["neg", "pos"]
+MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
+EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -107,7 +109,8 @@ def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(source)
+        # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
+        ds = datasets.load_dataset(source, trust_remote_code=False)
     except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
         raise TfmError(
             f"could not load dataset '{source}' ({first_line(e)}); pass a local copy with --data PATH"
@@ -254,12 +257,12 @@ def train_tokenizer(texts: list[str], cfg: DataConfig):
         norm.append(normalizers.Lowercase())
     if cfg.tokenizer == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=MIN_FREQUENCY,
                                              show_progress=False)
         tok.decoder = decoders.WordPiece()
     else:
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=MIN_FREQUENCY,
                                        show_progress=False)
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
@@ -272,7 +275,7 @@ def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
     """Train the tokenizer on the training texts, or load it from the cache."""
     from tokenizers import Tokenizer
 
-    path = cache_dir(cfg) / f"tokenizer-{_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, 2)}.json"
+    path = cache_dir(cfg) / f"tokenizer-{_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
@@ -444,7 +447,7 @@ def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int |
     raw, _ = load_splits(cfg, (split,))
     data = raw[split]
     if max_samples is not None:
-        data = data.subset(sample_indices(np.arange(len(data)), max_samples, seed=0))
+        data = data.subset(sample_indices(np.arange(len(data)), max_samples, seed=EVAL_SUBSET_SEED))
     if len(data) == 0:
         raise TfmError(f"split '{split}' of '{cfg.source}' is empty")
     return cached_encode(tokenizer, data, cfg, data.fingerprint())
