@@ -115,6 +115,35 @@ def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
 def test_load_model_dir_refuses_a_missing_directory(tmp_path):
     with pytest.raises(TfmError, match="does not exist"):
         ckpt.load_model_dir(tmp_path / "nothing")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(TfmError, match="'.*afile' is a file, not a directory"):
+        ckpt.load_model_dir(tmp_path / "afile")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda meta: meta["model"].update(d_model="abc"),
+    lambda meta: meta["model"].update(nope=1),
+    lambda meta: meta.update(labels="xy"),
+    lambda meta: meta.update(labels=["pos", "pos"]),
+    lambda meta: meta.update(labels=["only"]),
+], ids=["ill-typed", "unknown-key", "labels-string", "labels-repeated", "one-label"])
+def test_load_model_dir_names_config_json_for_a_bad_value(model_dir, edit):
+    meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
+    edit(meta)
+    (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(TfmError, match="config.json' is incomplete or invalid") as e:
+        ckpt.load_model_dir(model_dir)
+    assert e.value.exit_code == 1  # a damaged model directory is not a usage error
+
+
+def test_load_model_dir_refuses_weights_that_are_not_finite(model_dir):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(model_dir / ckpt.MODEL_FILE))
+    weights["head.bias"][0] = float("nan")
+    save_file(weights, str(model_dir / ckpt.MODEL_FILE))
+    with pytest.raises(TfmError, match=r"are not finite \(NaN or inf in head.bias\)"):
+        ckpt.load_model_dir(model_dir)
 
 
 @pytest.mark.parametrize("name", [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.MODEL_FILE])

@@ -71,11 +71,18 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"model": {"ngram_order": 0}}, ["model.ngram_order", "0"]),
         ({"train": {"checkpoint_every": -1}}, ["train.checkpoint_every", "-1", "0: checkpoint at epoch ends only"]),
         ({"train": {"device": "cuda:x"}}, ["train.device", "'cuda:x'"]),
+        ({"train": {"lr": float("inf")}}, ["train.lr", "inf", "must be a finite number"]),
+        ({"train": {"weight_decay": float("inf")}}, ["train.weight_decay", "inf", "finite"]),
+        ({"model": {"dropout": float("-inf")}}, ["model.dropout", "-inf", "finite"]),
+        ({"data": {"vocab_size": 10**12}}, ["data.vocab_size", "1000000000000", "16,777,216"]),
+        ({"train": {"seed": -1}}, ["train.seed", "-1", "2**32 - 1"]),
+        ({"train": {"seed": 2**64}}, ["train.seed", "2**32 - 1"]),
+        ({"train": {"output_dir": ""}}, ["train.output_dir", "must name a folder"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
          "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
-         "device"],
+         "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:

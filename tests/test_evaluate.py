@@ -1,10 +1,11 @@
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import write_jsonl
 
-from transformer_cli.errors import TfmError
+from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_checkpoint, metrics_from_confusion, predict_texts
 
 
@@ -74,3 +75,21 @@ def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, te
 def test_predict_needs_texts(trained_dir):
     with pytest.raises(TfmError, match="no input"):
         predict_texts(trained_dir, [], device="cpu")
+
+
+def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_dir, synthetic_data_dir, tmp_path,
+                                                                      monkeypatch):
+    import json
+    import os
+    import shutil
+
+    model_dir = Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
+    meta = json.loads((model_dir / "config.json").read_text())
+    meta["data"]["source"] = os.path.relpath(synthetic_data_dir, tmp_path)  # as trained from tmp_path
+    (model_dir / "config.json").write_text(json.dumps(meta))
+    monkeypatch.chdir(tmp_path)
+    assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
+    monkeypatch.chdir(model_dir)
+    with pytest.raises(UsageError, match=r"is not found from here; pass --data"):
+        evaluate_checkpoint(model_dir, device="cpu", max_samples=5)
+    assert evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)["num_examples"] == 5

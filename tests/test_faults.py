@@ -732,6 +732,13 @@ def test_occasional_non_finite_steps_are_skipped_and_counted(synthetic_data_dir,
         assert all(torch.isfinite(t).all() for t in load_file(str(f)).values())
 
 
+def test_a_run_without_a_finite_validation_ends_with_an_error(synthetic_data_dir, tmp_path):
+    out = tmp_path / "run"
+    result = cli(*train_args(synthetic_data_dir, out), "--max-steps", "3", "--lr", "1e30")
+    assert_one_line_error(result, 1, "training diverged: no validation pass had finite weights and loss")
+    assert not (out / ckpt.MODEL_FILE).exists() and not (out / ckpt.METRICS_FILE).exists()
+
+
 def test_non_finite_steps_in_a_row_stop_training_with_finite_files(synthetic_data_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     poison_training_loss(monkeypatch, lambda n: n >= 30)  # steps 31, 32, 33 ... after the epoch-1 model
@@ -785,6 +792,8 @@ def test_changed_settings_on_resume_are_refused_unless_forced(synthetic_data_dir
     assert "resume" in err
     result = cli(*args, "--force")
     assert result.exit_code == 0, result.output
+    # The weights go on with the tokenizer they were trained with, whatever the new settings would train.
+    assert (out / ckpt.TOKENIZER_FILE).read_bytes() == before[out / ckpt.TOKENIZER_FILE]
     saved = json.loads((out / ckpt.CONFIG_FILE).read_text())
     section, key = field.split(".")
     assert str(saved[section][key]) == change[-1].split("=")[-1]

@@ -375,6 +375,30 @@ def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_ru
     assert resumed["steps"] == trained_run[1]["steps"]
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(synthetic_data_dir, tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("keep me")
+    with pytest.raises(UsageError, match="output directory '.*afile' is a file; choose another --output-dir"):
+        train(tiny_config(synthetic_data_dir, path), progress=False)
+    assert path.read_text() == "keep me"
+
+
+def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_run, synthetic_data_dir, tmp_path):
+    source, source_metrics = trained_run
+    first = ckpt.checkpoint_dirs(source)[0]
+    other = tmp_path / "other"
+    train(tiny_config(synthetic_data_dir, other, train__max_steps=3, model__d_model=16), progress=False)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    with pytest.raises(UsageError, match="already holds a run"):
+        train(tiny_config(synthetic_data_dir, other), resume=str(first), progress=False)
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    fresh = tmp_path / "fresh"
+    resumed = train(tiny_config(synthetic_data_dir, fresh, train__keep_checkpoints=100), resume=str(first),
+                    progress=False)
+    assert resumed["steps"] == source_metrics["steps"]
+    assert (fresh / ckpt.TOKENIZER_FILE).read_text() == (source / ckpt.TOKENIZER_FILE).read_text()
+
+
 def test_a_resumed_runs_event_file_sorts_after_one_from_the_same_second(tmp_path):
     import time
 

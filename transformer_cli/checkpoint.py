@@ -141,7 +141,8 @@ def load_model_dir(path: str | Path, device="cpu"):
 
     out = Path(path)
     if not out.is_dir():
-        raise TfmError(f"checkpoint directory '{out}' does not exist; pass the --output-dir of a `tfm train` run")
+        what = "is a file, not a directory" if out.exists() else "does not exist"
+        raise TfmError(f"checkpoint directory '{out}' {what}; pass the --output-dir of a `tfm train` run")
     for name in (CONFIG_FILE, TOKENIZER_FILE, MODEL_FILE):
         if not (out / name).is_file():
             raise TfmError(f"'{out}' is not a complete model directory: {name} is missing")
@@ -151,8 +152,11 @@ def load_model_dir(path: str | Path, device="cpu"):
         raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
     try:
         cfg = Config.from_dict(with_legacy_values({k: meta[k] for k in ("model", "data", "train")}))
-        labels, vocab_size = list(meta["labels"]), int(meta["vocab_size"])
-    except (KeyError, TypeError, ValueError) as e:
+        labels, vocab_size = meta["labels"], int(meta["vocab_size"])
+        if not (isinstance(labels, list) and len(labels) >= 2 and all(isinstance(x, str) for x in labels)
+                and len(set(labels)) == len(labels)):
+            raise ValueError(f"labels must be a list of at least two distinct names, not {labels!r}")
+    except (KeyError, TypeError, ValueError, TfmError) as e:  # TfmError: a value the config refuses
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
     try:
         tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
@@ -162,6 +166,10 @@ def load_model_dir(path: str | Path, device="cpu"):
         raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
     load_weights(model, out / MODEL_FILE)
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        raise TfmError(f"weights in '{out / MODEL_FILE}' are not finite (NaN or inf in {', '.join(bad[:3])}); "
+                       "the file is damaged or the run diverged: train again")
     return model.to(device).eval(), cfg, tokenizer, labels
 
 

@@ -20,6 +20,7 @@ import tomllib
 
 from transformer_cli.errors import UsageError
 
+MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers library aborts on huge ones)
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
 
 
@@ -36,6 +37,8 @@ class _Section:
                 )
             if isinstance(value, int) and not isinstance(value, bool) and _wants_float(hints[f.name]):
                 object.__setattr__(self, f.name, float(value))
+            if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name)):
+                self._fail(f.name, "must be a finite number")
         self.validate()
 
     _name = "config"
@@ -157,8 +160,8 @@ class DataConfig(_Section):
             self._fail("val_size", "must be a fraction in (0, 1)")
         if self.val_block < 1:
             self._fail("val_block", "must be at least 1 (1 = examples drawn one by one)")
-        if self.vocab_size < 100:
-            self._fail("vocab_size", "must be at least 100")
+        if not 100 <= self.vocab_size <= MAX_VOCAB:
+            self._fail("vocab_size", f"must be between 100 and {MAX_VOCAB:,}")
         if self.max_length < 2:
             self._fail("max_length", "must be at least 2")
         if not 0.0 <= self.head_fraction <= 1.0:
@@ -201,6 +204,10 @@ class TrainConfig(_Section):
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
 
     def validate(self) -> None:
+        if not self.output_dir.strip():
+            self._fail("output_dir", "must name a folder")
+        if not 0 <= self.seed < 2**32:
+            self._fail("seed", "must be between 0 and 2**32 - 1")
         positive = ("epochs", "batch_size", "grad_accum_steps", "log_every", "eval_batch_size",
                     "keep_checkpoints", "max_bad_steps")
         for name in positive:

@@ -92,12 +92,12 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, Raw
         if (acl / "train" / "pos").is_dir():
             return _from_acl_folder(acl, splits)
         return _from_hf(source, cfg, splits)
-    if _looks_like_path(source):
+    if looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
     return _from_hf(source, cfg, splits)
 
 
-def _looks_like_path(source: str) -> bool:
+def looks_like_path(source: str) -> bool:
     """Hub ids are `name` or `owner/name`; anything else that does not exist is a missing path."""
     suffixes = (*FILE_BUILDERS, ".tar.gz", ".tgz")
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.lower().endswith(suffixes)
@@ -418,8 +418,9 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def prepare_train_data(cfg: DataConfig, seed: int) -> Prepared:
-    """Load train, hold out a stratified validation split, train the tokenizer, encode both."""
+def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None) -> Prepared:
+    """Load train, hold out a stratified validation split, train the tokenizer (unless one is
+    given), encode both."""
     raw, label_names = load_splits(cfg, ("train",))
     full = raw["train"]
     if len(full) < 2:
@@ -434,7 +435,7 @@ def prepare_train_data(cfg: DataConfig, seed: int) -> Prepared:
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
     train_raw, val_raw = full.subset(train_idx), full.subset(val_idx)
     train_fp = train_raw.fingerprint()
-    tok = cached_tokenizer(train_raw, cfg, train_fp)
+    tok = tokenizer or cached_tokenizer(train_raw, cfg, train_fp)
     return Prepared(
         tokenizer=tok,
         labels=label_names,

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.data import Encoded, collate, encode_texts
-from transformer_cli.errors import TfmError
+from transformer_cli.data import Encoded, collate, encode_texts, looks_like_path
+from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.runtime import Runtime
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
@@ -193,6 +193,9 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
     if data is not None:
         cfg = cfg.replace(data={"source": data})
+    elif looks_like_path(src := cfg.data.source) and not Path(src).is_absolute() and not Path(src).exists():
+        raise UsageError(f"the run's dataset '{src}' (its data.source, relative to where `tfm train` ran) "
+                         "is not found from here; pass --data")
     t0 = time.perf_counter()
     enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples)
     prep = time.perf_counter() - t0

@@ -214,11 +214,15 @@ def _set_rng_state(json_part: dict, tensors: dict) -> None:
 
 
 def _check_output_dir(out: Path, resume: bool | str) -> None:
-    if resume:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output directory '{out}' is a file; choose another --output-dir")
+    if resume is True:
         return
     # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
     # a run that died then has nothing to lose, so it may be started again in the same folder.
     if ckpt.checkpoint_dirs(out) or (out / ckpt.MODEL_FILE).exists() or (out / ckpt.METRICS_FILE).exists():
+        if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
+            return  # --resume-from one of this folder's own checkpoints
         raise UsageError(
             f"output directory '{out}' already holds a run; pass --resume to continue it or choose another --output-dir"
         )
@@ -276,12 +280,14 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         torch.set_num_threads(tc.num_threads)
     seed_everything(tc.seed)
 
-    # Rank 0 trains the tokenizer and fills the cache; the others then read it.
+    # Rank 0 trains the tokenizer and fills the cache; the others then read it. A resumed run keeps
+    # the tokenizer its weights were trained with, even if --force changed what would train another.
+    tokenizer = _load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     if rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed)
+        data = prepare_train_data(cfg.data, tc.seed, tokenizer)
     rt.barrier()
     if not rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed)
+        data = prepare_train_data(cfg.data, tc.seed, tokenizer)
 
     vocab_size = data.tokenizer.get_vocab_size()
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
@@ -560,6 +566,9 @@ def train(cfg: Config, resume: bool | str = False, force: bool = False, progress
 
 def finish(run: Run, logger: Logger) -> dict:
     st, tc = run.state, run.cfg.train
+    if st.best_step < 0:
+        raise TfmError("training diverged: no validation pass had finite weights and loss, so no model was saved; "
+                       "lower --lr and train into a new --output-dir")
     metrics = {
         "best_step": st.best_step,
         "steps": st.step,
@@ -592,6 +601,8 @@ def finish(run: Run, logger: Logger) -> dict:
 
 
 def _load_tokenizer(out: Path):
+    """The tokenizer of the run in `out`; None if it has none (a checkpoint folder copied alone)."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(out / ckpt.TOKENIZER_FILE))
+    path = out / ckpt.TOKENIZER_FILE
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
