@@ -286,9 +286,16 @@ def test_a_stop_signal_sets_the_flag_and_a_second_ctrl_c_aborts_at_once(first, t
             if first == signal.SIGTERM:
                 signal.raise_signal(signal.SIGTERM)
                 assert stop.signum == signal.SIGTERM
-            with pytest.raises(train_mod.Aborted, match="--resume continues") as aborted:
+            with pytest.raises(train_mod.Aborted, match="none yet, so run the same command again") as aborted:
                 signal.raise_signal(signal.SIGINT)
-            assert aborted.value.exit_code == 130 and str(tmp_path / ckpt.CKPT_DIR) in str(aborted.value)
+            assert aborted.value.exit_code == 130
+        complete = tmp_path / ckpt.CKPT_DIR / "step-00000005"
+        complete.mkdir(parents=True)
+        (complete / ckpt.COMPLETE).touch()
+        with train_mod._StopFlag(tmp_path), pytest.raises(train_mod.Aborted, match="--resume continues") as aborted:
+            signal.raise_signal(first)
+            signal.raise_signal(signal.SIGINT)
+        assert str(tmp_path / ckpt.CKPT_DIR) in str(aborted.value)
         assert outside == [], "a signal reached the previous handler while the flag was active"
         assert all(signal.getsignal(s) is previous for s in before), "the previous handlers were not restored"
         signal.raise_signal(signal.SIGINT)
@@ -305,6 +312,29 @@ def highest_step_started(out: Path) -> int:
     except FileNotFoundError:
         return 0
     return max((int(m.group(1)) for n in names if (m := re.match(r"\.?step-(\d{8})", n))), default=0)
+
+
+def test_a_stop_during_the_last_validation_stops_after_it_and_resume_finishes(synthetic_data_dir, tmp_path,
+                                                                              monkeypatch):
+    out = tmp_path / "run"
+    validate = train_mod.validate
+
+    def signalled_at_20(run, logger):
+        if run.state.step == 20:
+            signal.raise_signal(signal.SIGINT)  # arrives while the run validates its last step
+        return validate(run, logger)
+
+    monkeypatch.setattr(train_mod, "validate", signalled_at_20)
+    args = [a for a in train_args(synthetic_data_dir, out) if a != "--no-progress"]  # with the progress bar
+    result = cli(*args, "--max-steps", "20")
+    assert result.exit_code == 130, result.output
+    bar, error = result.stderr.rstrip("\n").rsplit("\n", 1)
+    assert "train:" in bar and error.startswith("tfm: error: stopped by SIGINT") and "step-00000020" in error
+    assert not (out / ckpt.METRICS_FILE).exists()
+    monkeypatch.undo()
+    resumed = cli(*train_args(synthetic_data_dir, out), "--max-steps", "20", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((out / ckpt.METRICS_FILE).read_text())["steps"] == 20
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])

@@ -50,8 +50,11 @@ class Aborted(TfmError):
     exit_code = 130
 
     def __init__(self, out: Path):
-        super().__init__(f"interrupted twice: stopped at once without a new checkpoint; --resume continues "
-                         f"from the last complete one in '{out / ckpt.CKPT_DIR}'")
+        if ckpt.checkpoint_dirs(out):
+            then = f"--resume continues from the last complete one in '{out / ckpt.CKPT_DIR}'"
+        else:
+            then = "there was none yet, so run the same command again (without --resume)"
+        super().__init__(f"interrupted twice: stopped at once without a new checkpoint; {then}")
 
 
 # --------------------------------------------------------------------------- schedule
@@ -419,7 +422,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     run.engine.train()
     t_start = time.perf_counter() - st.train_time_sec
     stopping = False
-    with _StopFlag(run.out) as stop:
+    with _StopFlag(run.out) as stop, contextlib.closing(bar) if bar is not None else contextlib.nullcontext():
         while st.step < total and st.epoch < tc.epochs:
             groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
             while st.batch_in_epoch < len(groups) and st.step < total:
@@ -494,10 +497,13 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 validate(run, logger)
                 st.train_time_sec = time.perf_counter() - t_start
                 where = save_checkpoint(run)
-            if stopping:  # a stop on the last step of an epoch or run still gets its validation first
+            # A stop on the last step of an epoch or run, or during its validation, still gets the
+            # validation and checkpoint first.
+            stopping = stopping or stop.signum is not None
+            if rt.distributed:
+                stopping = rt.all_sum([float(stopping)])[0] > 0
+            if stopping:
                 raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
-    if bar is not None:
-        bar.close()
 
 
 def _say(message: str, progress: bool) -> None:
