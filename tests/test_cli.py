@@ -20,9 +20,9 @@ def tfm(*args, input: str | bytes | None = None):
     return runner.invoke(app, [str(a) for a in args], input=input)
 
 
-def python(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def python(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, cwd=REPO,
-                          timeout=120, env=None if env is None else {**os.environ, **env})
+                          timeout=120, env=None if env is None else {**os.environ, **env}, **kwargs)
 
 
 def assert_fails_cleanly(result, code: int, *fragments: str) -> None:
@@ -131,6 +131,29 @@ def test_predict_reads_latin1_with_a_warning(cli_run, tmp_path):
     assert "warning" in r.stderr and "Latin-1" in r.stderr
     assert len(r.stdout.strip().splitlines()) == 1
     assert "Très bien" in r.stdout
+
+
+def test_predict_splits_a_file_at_newlines_only(cli_run, tmp_path):
+    # \x85 is an ellipsis in Windows-1252 (read as Latin-1: NEL), \x0c a form feed, \u2028 a line separator.
+    path = tmp_path / "reviews.txt"
+    path.write_bytes(b"Great film\x85 loved it\r\nTerrible \x0c boring\nawful\n")
+    r = tfm("predict", "-c", cli_run, "--file", path)
+    assert r.exit_code == 0, r.stderr
+    assert [line.split("\t")[2] for line in r.stdout.splitlines()] == [
+        "Great film loved it", "Terrible boring", "awful"]  # three reviews; their lines show spaces
+    path.write_text("loved it\u2028superb\n\nx\n", encoding="utf-8")
+    assert_fails_cleanly(tfm("predict", "-c", cli_run, "--file", path), 2, "line 2 of", "is empty")
+
+
+def test_predict_prints_one_line_per_review_whatever_its_whitespace(cli_run):
+    r = tfm("predict", "-c", cli_run, "great\nfilm", "awful\tboring  film")
+    assert r.exit_code == 0, r.stderr
+    assert [line.split("\t")[2] for line in r.stdout.splitlines()] == ["great film", "awful boring film"]
+
+
+def test_predict_from_a_closed_stdin_fails_cleanly(cli_run):
+    r = python("-m", "transformer_cli", "predict", "-c", str(cli_run), "--file", "-", preexec_fn=lambda: os.close(0))
+    assert r.returncode == 2 and r.stderr.startswith("tfm: error: --file -: standard input is closed"), r.stderr
 
 
 def test_evaluate_json(cli_run, test_rows):

@@ -108,6 +108,8 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
         if texts:
             raise UsageError("pass review TEXT arguments or --file, not both")
         if file == "-":
+            if sys.stdin is None:
+                raise UsageError("--file -: standard input is closed; pipe reviews in or pass --file PATH")
             raw = sys.stdin.buffer.read()
         else:
             p = Path(file)
@@ -122,7 +124,12 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
         except UnicodeDecodeError:
             content = raw.decode("latin-1")
             typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
-        texts = content.splitlines()
+        # Lines end at \n or \r\n only: str.splitlines would also split a review at \x0c, \x1c-\x1e,
+        # \x85 (an ellipsis in Windows-1252, read as Latin-1), U+2028 and U+2029.
+        texts = content.split("\n")
+        if texts[-1] == "":
+            texts.pop()  # the newline that ends the last line
+        texts = [t[:-1] if t.endswith("\r") else t for t in texts]
     for i, t in enumerate(texts, 1):
         if not t.strip():
             where = f"line {i} of '{file}'" if file is not None else f"text {i}"
@@ -154,6 +161,7 @@ def predict(
         if as_json:
             typer.echo(json.dumps(r))
         else:
+            text = " ".join(text.split())  # one output line per input, whatever whitespace it holds
             snippet = text if len(text) <= 60 else text[:57] + "..."
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{snippet}")
 
