@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, REPO
+from conftest import CONFIGS, REPO, write_jsonl
 from typer.testing import CliRunner
 
 from transformer_cli.cli import app
@@ -285,3 +285,65 @@ def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
     out = tmp_path / "out"
     assert_fails_cleanly(tfm("train", "--data", data, "-o", out, "--no-progress"), code, fragment)
     assert not out.exists()  # nothing is written before the data is known to be good
+
+
+@pytest.mark.parametrize(("name", "content", "fragment"), [
+    ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', "could not read {path}: An error occurred while "
+                                                              "generating the dataset: JSON parse error"),
+    ("bad.csv", b'text,label\n"unterminated,0\nb,1\n', "Error tokenizing data"),
+    ("empty.csv", b"", "No columns to parse from file"),
+    ("fake.tar.gz", b"\x00not an archive" * 100, "could not read '{path}' as a tar archive"),
+], ids=["jsonl", "csv", "empty-csv", "tarball"])
+def test_unreadable_data_files_fail_in_one_line_that_says_why(tmp_path, name, content, fragment):
+    path = tmp_path / name
+    path.write_bytes(content)
+    out = tmp_path / "out"
+    assert_fails_cleanly(tfm("train", "--data", path, "-o", out, "--no-progress"), 1, fragment.format(path=path))
+    assert not out.exists()
+
+
+def test_an_error_message_of_several_lines_is_printed_as_one(capsys):
+    import typer
+
+    from transformer_cli import cli as cli_mod
+    from transformer_cli.errors import TfmError
+
+    def fails():
+        raise TfmError("could not read it:\n- method gz: not gzip\n- method tar: bad header\n")
+
+    with pytest.raises(typer.Exit) as e:
+        cli_mod._run(fails)
+    assert e.value.exit_code == 1
+    assert capsys.readouterr().err == "tfm: error: could not read it: - method gz: not gzip - method tar: bad header\n"
+
+
+@pytest.mark.parametrize("error", [
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                 "to allocate 4398046511104 bytes. Error code 12 (Cannot allocate memory)"),
+], ids=["MemoryError", "cpu-allocator"])
+def test_out_of_memory_says_what_to_lower(capsys, error):
+    import typer
+
+    from transformer_cli import cli as cli_mod
+
+    def fails():
+        raise error
+
+    with pytest.raises(typer.Exit) as e:
+        cli_mod._run(fails)
+    assert e.value.exit_code == 1
+    assert capsys.readouterr().err.startswith("tfm: error: out of memory; lower --batch-size, data.max_length")
+
+
+def test_test_without_a_test_split_is_refused_before_training(tmp_path, test_rows):
+    data = write_jsonl(tmp_path / "train-only.jsonl", test_rows)
+    out = tmp_path / "out"
+    result = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", data, "-o", out, "--test", "--no-progress")
+    assert_fails_cleanly(result, 2, "has no 'test' split")
+    assert not out.exists()
+
+
+def test_named_data_files_must_be_split_equals_file(tmp_path):
+    result = tfm("train", "--data", "train=a.csv,garbage", "-o", tmp_path / "out")
+    assert_fails_cleanly(result, 2, "write named files as SPLIT=FILE[,SPLIT=FILE...]")

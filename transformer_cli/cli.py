@@ -22,8 +22,13 @@ app = typer.Typer(
 )
 
 
+def _error_line(message: str) -> str:
+    """`tfm: error: ...` on one line, whatever the message holds."""
+    return "tfm: error: " + " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def _fail(message: str, code: int) -> None:
-    typer.echo(f"tfm: error: {message}", err=True)
+    typer.echo(_error_line(message), err=True)
     raise typer.Exit(code)
 
 
@@ -34,15 +39,21 @@ def _run(fn: Callable[[], Any]) -> Any:
         _fail(str(e), e.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
-    except MemoryError:
-        _fail("out of memory; lower --batch-size or data.max_length", 1)
     except OSError as e:
         where = f" '{e.filename}'" if e.filename else ""
         _fail(f"{e.strerror or e}{where}", 1)
     except Exception as e:  # a bug: still one line, with the traceback on request
         if os.environ.get("TFM_DEBUG"):
             raise
+        if _out_of_memory(e):
+            _fail("out of memory; lower --batch-size, data.max_length or the model's sizes", 1)
         _fail(f"unexpected {type(e).__name__}: {e} (set TFM_DEBUG=1 to see the traceback)", 1)
+
+
+def _out_of_memory(e: Exception) -> bool:
+    """Python's MemoryError, torch's OutOfMemoryError (CUDA), or a CPU tensor allocation that failed."""
+    return isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
 Ckpt = Annotated[Path, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.")]
@@ -228,7 +239,7 @@ def main() -> None:
 
 
 def _exit_with_error(message: str, code: int) -> None:
-    typer.echo(f"tfm: error: {message}", err=True)
+    typer.echo(_error_line(message), err=True)
     sys.exit(code)
 
 

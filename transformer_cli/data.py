@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from transformer_cli.config import DataConfig
-from transformer_cli.errors import TfmError, UsageError, first_line
+from transformer_cli.errors import TfmError, UsageError, cause_line, first_line
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
@@ -79,8 +79,11 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, Raw
     source = cfg.source
     path = Path(source)
     if "=" in source and not path.exists():
-        files = dict(part.split("=", 1) for part in source.split(","))
-        return _from_hf_files(files, cfg, splits)
+        parts = [part.split("=", 1) for part in source.split(",")]
+        if any(len(p) != 2 or not p[0] or not p[1] for p in parts):
+            raise UsageError(f"data source '{source}': write named files as SPLIT=FILE[,SPLIT=FILE...], "
+                             "e.g. train=a.csv,test=b.csv")
+        return _from_hf_files(dict(parts), cfg, splits)
     if path.is_file():
         if source.endswith((".tar.gz", ".tgz")):
             return _from_acl_tarball(path, splits)
@@ -106,14 +109,14 @@ def looks_like_path(source: str) -> bool:
 def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         ds = datasets.load_dataset(source, trust_remote_code=False)
     except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
         raise TfmError(
-            f"could not load dataset '{source}' ({first_line(e)}); pass a local copy with --data PATH"
+            f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH"
         ) from None
     return _from_dataset_dict(ds, cfg, splits, source)
 
@@ -121,7 +124,7 @@ def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
 def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...]):
     import datasets
 
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
     suffixes = {Path(f).suffix.lower() for f in files.values()}
     for f in files.values():
@@ -134,7 +137,7 @@ def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ..
     try:
         ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:
-        raise TfmError(f"could not read {', '.join(files.values())}: {first_line(e)}") from None
+        raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
     return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()))
 
 
@@ -208,7 +211,7 @@ def _from_acl_tarball(path: Path, splits: tuple[str, ...]):
                     text = tar.extractfile(member).read().decode("utf-8", errors="replace")
                     found[m.group(1)].append((int(m.group(2) == "pos"), member.name, text))
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise TfmError(f"could not read '{path}': {e}") from None
+        raise TfmError(f"could not read '{path}' as a tar archive: {first_line(e).rstrip(':')}") from None
     out = {}
     for split, rows in found.items():
         if not rows:
@@ -418,10 +421,10 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None) -> Prepared:
+def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
     """Load train, hold out a stratified validation split, train the tokenizer (unless one is
-    given), encode both."""
-    raw, label_names = load_splits(cfg, ("train",))
+    given), encode both. The `needed` splits (e.g. test, for later) must exist too."""
+    raw, label_names = load_splits(cfg, ("train", *needed))
     full = raw["train"]
     if len(full) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")

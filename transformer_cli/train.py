@@ -286,11 +286,12 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     # Rank 0 trains the tokenizer and fills the cache; the others then read it. A resumed run keeps
     # the tokenizer its weights were trained with, even if --force changed what would train another.
     tokenizer = _load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
+    needed = ("test",) if tc.test_at_end else ()  # refused now rather than after training
     if rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed, tokenizer)
+        data = prepare_train_data(cfg.data, tc.seed, tokenizer, needed)
     rt.barrier()
     if not rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed, tokenizer)
+        data = prepare_train_data(cfg.data, tc.seed, tokenizer, needed)
 
     vocab_size = data.tokenizer.get_vocab_size()
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
