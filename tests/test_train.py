@@ -383,6 +383,19 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(synthetic_
     assert path.read_text() == "keep me"
 
 
+def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_runs(synthetic_data_dir, tmp_path,
+                                                                               monkeypatch):
+    import os
+
+    denied = tmp_path / "locked"
+    denied.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != denied and access(p, mode))  # as if chmod 555
+    with pytest.raises(UsageError, match=f"'{denied / 'run'}' cannot be written \\('{denied}' is not writable\\)"):
+        train(tiny_config(synthetic_data_dir, denied / "run"), progress=False)
+    assert list(denied.iterdir()) == []
+
+
 def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_run, synthetic_data_dir, tmp_path):
     source, source_metrics = trained_run
     first = ckpt.checkpoint_dirs(source)[0]

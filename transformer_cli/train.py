@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import re
 import signal
@@ -219,6 +220,10 @@ def _set_rng_state(json_part: dict, tensors: dict) -> None:
 def _check_output_dir(out: Path, resume: bool | str) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"output directory '{out}' is a file; choose another --output-dir")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"output directory '{out}' cannot be written ('{existing}' is not writable); "
+                         "choose another --output-dir")
     if resume is True:
         return
     # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
