@@ -136,11 +136,12 @@ def test_load_model_dir_names_config_json_for_a_bad_value(model_dir, edit):
     assert e.value.exit_code == 1  # a damaged model directory is not a usage error
 
 
-def test_load_model_dir_refuses_weights_that_are_not_finite(model_dir):
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_load_model_dir_refuses_weights_that_are_not_finite(model_dir, value):
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(model_dir / ckpt.MODEL_FILE))
-    weights["head.bias"][0] = float("nan")
+    weights["head.bias"][0] = value
     save_file(weights, str(model_dir / ckpt.MODEL_FILE))
     with pytest.raises(TfmError, match=r"are not finite \(NaN or inf in head.bias\)"):
         ckpt.load_model_dir(model_dir)
