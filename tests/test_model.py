@@ -324,6 +324,15 @@ def test_token_dropout_rate():
     assert abs(hidden - 0.15) < 0.01
 
 
+def test_cpu_dropout_of_bf16_keeps_the_dtype_and_scale():
+    x = torch.randn(64, 512).abs_().add_(0.5).to(torch.bfloat16)  # no zeros: a zero output means dropped
+    torch.manual_seed(0)
+    y = dropout(x, 0.1, training=True)
+    kept = y != 0
+    assert y.dtype == torch.bfloat16 and 0.08 < (~kept).float().mean().item() < 0.12
+    torch.testing.assert_close(y[kept].float(), x[kept].float() / 0.9, rtol=8e-3, atol=0)  # bf16 has 8 bits
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_cpu_dropout_behaves_as_f_dropout(p):
     x = torch.randn(256, 1024).abs_().add_(0.5).requires_grad_()  # no zeros: a zero output means dropped
