@@ -186,6 +186,23 @@ def test_the_last_step_is_validated_and_saved_once(synthetic_data_dir, tmp_path,
     assert [s for s, _ in read_scalars(out)["val/accuracy"]] == [half, max_steps]
 
 
+def test_accumulated_micro_batches_of_unequal_sizes_weigh_every_example_equally(synthetic_data_dir, tmp_path,
+                                                                                 monkeypatch):
+    """One step over 12 examples: a batch of 12, or micro-batches of 8 and 4 accumulated (as when an
+    epoch's last batch is short), must take the same step."""
+    import torch
+
+    idx = np.arange(12)
+    weights = {}
+    for accum, plan in {1: [idx], 2: [idx[:8], idx[8:]]}.items():
+        monkeypatch.setattr(train_mod.BucketSampler, "batches", lambda self, epoch, plan=plan: list(plan))
+        out = tmp_path / f"accum{accum}"
+        train(tiny_config(synthetic_data_dir, out, train__grad_accum_steps=accum, train__max_steps=1), progress=False)
+        weights[accum] = final_weights(out)
+    for name, w in weights[1].items():  # equal up to float summation order
+        torch.testing.assert_close(weights[2][name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_checkpoint_every_0_checkpoints_at_epoch_ends_only(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(synthetic_data_dir, out, train__checkpoint_every=0, train__keep_checkpoints=100), progress=False)

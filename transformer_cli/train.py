@@ -437,16 +437,18 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 for g in run.optimizer.param_groups:
                     g["lr"] = lr * g.get("lr_scale", 1.0)
                 loss_sum, objective_sum, n_samples = 0.0, 0.0, 0  # tensors after the first micro-batch
+                in_step = sum(len(idx) for idx in group)
                 for j, idx in enumerate(group):
                     ids, mask, y = rt.tensors(*collate(run.train, idx))
                     sync = run.engine.no_sync() if rt.distributed and j < len(group) - 1 else contextlib.nullcontext()
-                    with sync, rt.autocast():
+                    share = len(idx) / in_step  # the step's loss is the mean over its examples, whatever the
+                    with sync, rt.autocast():  # sizes of its micro-batches (the epoch's last one may be short)
                         logits, objective = run.engine(ids, mask, y, tc.label_smoothing)
-                        objective = objective / len(group)
+                        objective = objective * share
                     run.scaler.scale(objective).backward()
                     objective_sum = objective_sum + objective.detach()
                     # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures.
-                    loss_sum = loss_sum + F.cross_entropy(logits.detach().float(), y) / len(group)
+                    loss_sum = loss_sum + F.cross_entropy(logits.detach().float(), y) * share
                     n_samples += len(idx) * rt.world_size
                 objective_sum, loss_sum = torch.stack([objective_sum, loss_sum]).tolist()  # one device sync
                 run.scaler.unscale_(run.optimizer)
