@@ -131,6 +131,13 @@ def test_encode_texts_rows_start_with_cls_and_respect_max_length(tokenizer, trai
     assert 0 < truncated < len(texts)  # both branches were exercised
 
 
+def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
+    ids, offsets = encode_texts(tokenizer, ["great [PAD] film [CLS] fun [SEP]", "great film fun"], 64, "head", 0.5)
+    first, second = ids[offsets[0]:offsets[1]].tolist(), ids[offsets[1]:offsets[2]].tolist()
+    assert first[0] == CLS_ID and not {PAD_ID, CLS_ID} & set(first[1:])  # only the [CLS] we put first
+    assert len(first) > len(second) + 3  # the brackets and letters became tokens of their own
+
+
 @pytest.mark.parametrize("lowercase", [True, False])
 def test_tokenizer_round_trip(train_texts, lowercase):
     tok = train_tokenizer(train_texts, DataConfig(vocab_size=500, lowercase=lowercase))

@@ -24,6 +24,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
+ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -308,6 +309,7 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
 
 def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
     """(flat ids, offsets): each text as [CLS] + its truncated subword ids."""
+    tokenizer.encode_special_tokens = True  # "[PAD]" or "[CLS]" written in a review are words, not those ids
     rows = [
         [CLS_ID] + truncate(e.ids, max_length - 1, truncation, head_fraction)
         for e in tokenizer.encode_batch(texts, add_special_tokens=False)
@@ -319,7 +321,7 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
 
 
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
-    key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction)
+    key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
     path = cache_dir(cfg) / f"encoded-{key}.npz"
     if path.is_file():
         try:
