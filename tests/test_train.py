@@ -378,6 +378,16 @@ def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp
     assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups) and groups[2]["lr_scale"] == 3.0
 
 
+def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=3), progress=False)  # tiny.toml: no average
+    assert "ema" not in ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[1]
+    resumed = train(tiny_config(synthetic_data_dir, out, train__max_steps=6, train__ema_decay=0.9), resume=True,
+                    force=True, progress=False)
+    assert resumed["steps"] == 6
+    assert "ema" in ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[1]
+
+
 def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_run, synthetic_data_dir, tmp_path):
     import shutil
 

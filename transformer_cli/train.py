@@ -333,8 +333,8 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         for group, own in zip(optimizer.param_groups, settings, strict=True):
             group.update(own)
         scaler.load_state_dict(tensors["scaler"])
-        if ema is not None:
-            for s, saved in zip(ema.shadow, tensors["ema"], strict=True):
+        if ema is not None:  # a run that had no average (ema_decay turned on by --force) starts one here
+            for s, saved in zip(ema.shadow, tensors.get("ema", ema.params), strict=True):
                 s.copy_(saved)
         rng = tensors["rng"][rt.rank] if rt.rank < len(tensors["rng"]) else tensors["rng"][0]
         _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng)
