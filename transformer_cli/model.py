@@ -145,9 +145,10 @@ def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
 class NgramBag(nn.Module):
     """The wide path: a linear model over the bag of a text's token n-grams, up to length `order`.
 
-    Each n-gram owns a vector of label scores; a text scores their sum over sqrt(count), which
-    is logistic regression on L2-normalised n-gram features. `binary`: each distinct n-gram
-    counts once. Rows [0, vocab_size) are the unigrams (token ids); longer n-grams share the
+    Each n-gram owns a vector of label scores; a text scores their sum over sqrt(count). With
+    `binary` (each distinct n-gram counts once) that is logistic regression on L2-normalised
+    n-gram features; without, repeated n-grams add up and the sum is divided by the square root
+    of all occurrences. Rows [0, vocab_size) are the unigrams (token ids); longer n-grams share the
     next `buckets` rows by a rolling hash.
     """
 
