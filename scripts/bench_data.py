@@ -96,7 +96,7 @@ def child(args) -> None:
         overrides.update({"data.max_train_samples": args.max_samples, "data.max_eval_samples": args.max_samples})
     cfg = load_config(args.config, overrides)
     t0 = bc.now()
-    prepared = data.prepare_train_data(cfg.data, cfg.train.seed)
+    prepared = data.prepare_train_data(cfg.data, cfg.train.seed, needed=("test",))  # as `tfm train --test`
     train_sec = bc.now() - t0
     t0 = bc.now()
     test = data.prepare_eval_data(cfg.data, prepared.tokenizer, "test", cfg.data.max_eval_samples)

@@ -156,7 +156,10 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
         times.append(bc.now() - t0)
         peak.sample(3)
     model_sec = statistics.median(times)
-    e2e_sec = import_datasets_sec + prep_sec + model_sec
+    # What a fresh `tfm evaluate` pays for its data: the first call if that was a cache hit (it also
+    # opens the dataset); after encoding, the in-process cache hit is the nearest figure.
+    e2e_prep_sec = prep_sec if encoded else first_prep_sec
+    e2e_sec = import_datasets_sec + e2e_prep_sec + model_sec
     e2e_gflops = flops / e2e_sec / 1e9
     rows = [
         {"stage": "import datasets (once per process)", "sec": import_datasets_sec},
@@ -166,7 +169,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
         {"stage": f"model: evaluate_model (median of {args.repeats})", "sec": model_sec, "reviews_per_sec": n / model_sec,
          "tokens_per_sec": real_tokens / model_sec, "gflops": flops / model_sec / 1e9,
          "pct_peak": 100 * flops / model_sec / 1e9 / peak.gflops},
-        {"stage": "end to end after load: import + cached prep + model", "sec": e2e_sec, "reviews_per_sec": n / e2e_sec,
+        {"stage": "end to end after load: import + prep from the cache + model", "sec": e2e_sec, "reviews_per_sec": n / e2e_sec,
          "tokens_per_sec": real_tokens / e2e_sec, "gflops": e2e_gflops, "pct_peak": 100 * e2e_gflops / peak.gflops},
     ]
     params = sum(p.numel() for p in model.parameters())
