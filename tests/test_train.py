@@ -268,9 +268,9 @@ def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, 
     assert_same_weights(final_weights(tmp_path / "split"), final_weights(tmp_path / "full"))
 
 
-def test_resume_after_a_signal_equals_an_uninterrupted_run(trained_run, tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("stop_after", [10, 7], ids=["at-a-log", "between-logs"])  # log_every = 5
+def test_resume_after_a_signal_equals_an_uninterrupted_run(trained_run, tiny_cfg, monkeypatch, stop_after):
     out, metrics = trained_run
-    stop_after = 10  # a multiple of log_every, so that the logged training losses line up
     real_lr_at = train_mod.lr_at
 
     def interrupting_lr_at(step, total, config):

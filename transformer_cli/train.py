@@ -134,6 +134,8 @@ class TrainState:
     bad_steps_total: int = 0
     train_time_sec: float = 0.0
     samples_seen: int = 0
+    loss_since_log: float = 0.0  # train/loss's running sum since the last log, so that a resume
+    steps_since_log: int = 0  # stopped between two logs logs the same mean as the run it continues
 
 
 class Ema:
@@ -424,7 +426,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
 
         bar = tqdm(total=total, initial=st.step, desc="train", unit="step", dynamic_ncols=True)
     params = [p for p in run.model.parameters() if p.requires_grad]
-    window = {"loss": 0.0, "steps": 0, "samples": 0, "t0": time.perf_counter()}
+    window = {"samples": 0, "t0": time.perf_counter()}  # train/samples_per_sec, this process's steps only
     run.engine.train()
     t_start = time.perf_counter() - st.train_time_sec
     stopping = False
@@ -478,8 +480,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                             f"(at step {st.step}); lower --lr or raise train.grad_clip"
                         )
                 else:
-                    window["loss"] += loss_sum
-                    window["steps"] += 1
+                    st.loss_since_log += loss_sum
+                    st.steps_since_log += 1
                 window["samples"] += n_samples
                 st.samples_seen += n_samples
                 if bar is not None:
@@ -534,15 +536,16 @@ def _log_train(window: dict, st: TrainState, lr: float, grad_norm: float, logger
     elapsed = time.perf_counter() - window["t0"]
     values = {"train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": st.epoch,
               "train/batch_size": run.cfg.train.batch_size}
-    if window["steps"]:
-        values["train/loss"] = window["loss"] / window["steps"]
+    if st.steps_since_log:
+        values["train/loss"] = st.loss_since_log / st.steps_since_log
     if elapsed > 0:
         values["train/samples_per_sec"] = window["samples"] / elapsed
     logger.scalars(st.step, values)
     if bar is not None:
         bar.set_postfix(loss=f"{values.get('train/loss', float('nan')):.4f}", lr=f"{lr:.2e}",
                         sps=f"{values.get('train/samples_per_sec', 0):.0f}")
-    window.update(loss=0.0, steps=0, samples=0, t0=time.perf_counter())
+    st.loss_since_log, st.steps_since_log = 0.0, 0
+    window.update(samples=0, t0=time.perf_counter())
 
 
 def validate(run: Run, logger: Logger) -> dict:
