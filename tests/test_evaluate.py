@@ -77,19 +77,26 @@ def test_predict_needs_texts(trained_dir):
         predict_texts(trained_dir, [], device="cpu")
 
 
+@pytest.mark.parametrize("form", ["folder", "named-files"])
 def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_dir, synthetic_data_dir, tmp_path,
-                                                                      monkeypatch):
+                                                                      monkeypatch, form):
     import json
     import os
     import shutil
 
+    def source(root: str) -> str:
+        return root if form == "folder" else f"train={root}/train.jsonl,test={root}/test.jsonl"
+
     model_dir = Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
     meta = json.loads((model_dir / "config.json").read_text())
-    meta["data"]["source"] = os.path.relpath(synthetic_data_dir, tmp_path)  # as trained from tmp_path
+    meta["data"]["source"] = source(os.path.relpath(synthetic_data_dir, tmp_path))  # as trained from tmp_path
     (model_dir / "config.json").write_text(json.dumps(meta))
     monkeypatch.chdir(tmp_path)
     assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
     monkeypatch.chdir(model_dir)
     with pytest.raises(UsageError, match=r"is not found from here; pass --data"):
         evaluate_checkpoint(model_dir, device="cpu", max_samples=5)
+    meta["data"]["source"] = source(str(synthetic_data_dir))  # absolute paths: found from anywhere
+    (model_dir / "config.json").write_text(json.dumps(meta))
+    assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
     assert evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)["num_examples"] == 5

@@ -101,6 +101,13 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, Raw
     return _from_hf(source, cfg, splits)
 
 
+def local_paths(source: str) -> list[str]:
+    """The files or folder a data source names on this machine (none for a Hub id)."""
+    if "=" in source and not Path(source).exists():  # train=a.csv,test=b.csv
+        return [part.split("=", 1)[1] for part in source.split(",") if "=" in part]
+    return [source] if Path(source).exists() or looks_like_path(source) else []
+
+
 def looks_like_path(source: str) -> bool:
     """Hub ids are `name` or `owner/name`; anything else that does not exist is a missing path."""
     suffixes = (*FILE_BUILDERS, ".tar.gz", ".tgz")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.data import Encoded, collate, encode_texts, looks_like_path
+from transformer_cli.data import Encoded, collate, encode_texts, local_paths
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.runtime import Runtime
 
@@ -191,9 +191,10 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
 
     rt = make_runtime(device, "fp32")
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    src = cfg.data.source
     if data is not None:
         cfg = cfg.replace(data={"source": data})
-    elif looks_like_path(src := cfg.data.source) and not Path(src).is_absolute() and not Path(src).exists():
+    elif any(not Path(f).is_absolute() and not Path(f).exists() for f in local_paths(src)):
         raise UsageError(f"the run's dataset '{src}' (its data.source, relative to where `tfm train` ran) "
                          "is not found from here; pass --data")
     t0 = time.perf_counter()
