@@ -143,6 +143,11 @@ def test_predict_splits_a_file_at_newlines_only(cli_run, tmp_path):
         "Great film loved it", "Terrible boring", "awful"]  # three reviews; their lines show spaces
     path.write_text("loved it\u2028superb\n\nx\n", encoding="utf-8")
     assert_fails_cleanly(tfm("predict", "-c", cli_run, "--file", path), 2, "line 2 of", "is empty")
+    path.write_text("great\nawful\n\n  \n")  # blank lines at the end are no reviews
+    r = tfm("predict", "-c", cli_run, "--file", path)
+    assert r.exit_code == 0 and [line.split("\t")[2] for line in r.stdout.splitlines()] == ["great", "awful"]
+    path.write_text("\n\n")
+    assert_fails_cleanly(tfm("predict", "-c", cli_run, "--file", path), 2, "no input")
 
 
 def test_predict_prints_one_line_per_review_whatever_its_whitespace(cli_run):

@@ -423,6 +423,20 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_anything_runs(sy
     assert list(denied.iterdir()) == []
 
 
+def test_an_output_dir_that_cannot_be_created_names_it(synthetic_data_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    mkdir = Path.mkdir
+
+    def refusing(self, *args, **kwargs):
+        if self == out:
+            raise OSError(2, "No such file or directory", str(self))  # as under /proc
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refusing)
+    with pytest.raises(UsageError, match="cannot create output directory '.*run' \\(No such file or directory\\)"):
+        train(tiny_config(synthetic_data_dir, out), progress=False)
+
+
 def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_run, synthetic_data_dir, tmp_path):
     source, source_metrics = trained_run
     first = ckpt.checkpoint_dirs(source)[0]

@@ -141,6 +141,8 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
         if texts[-1] == "":
             texts.pop()  # the newline that ends the last line
         texts = [t[:-1] if t.endswith("\r") else t for t in texts]
+    while file is not None and texts and not texts[-1].strip():
+        texts.pop()  # blank lines at the end of a file are no reviews
     for i, t in enumerate(texts, 1):
         if not t.strip():
             where = f"line {i} of '{file}'" if file is not None else f"text {i}"

@@ -310,7 +310,10 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if resume_dir is not None:
         state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
     if rt.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir")
         ckpt.remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
         ckpt.save_model_files(out, cfg.to_dict(), data.tokenizer.to_str(), data.labels, vocab_size)
     engine: torch.nn.Module = model
