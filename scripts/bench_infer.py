@@ -169,7 +169,8 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
         {"stage": f"model: evaluate_model (median of {args.repeats})", "sec": model_sec, "reviews_per_sec": n / model_sec,
          "tokens_per_sec": real_tokens / model_sec, "gflops": flops / model_sec / 1e9,
          "pct_peak": 100 * flops / model_sec / 1e9 / peak.gflops},
-        {"stage": "end to end after load: import + prep from the cache + model", "sec": e2e_sec, "reviews_per_sec": n / e2e_sec,
+        {"stage": "end to end after load: import + prep from the cache + model", "sec": e2e_sec,
+         "reviews_per_sec": n / e2e_sec,
          "tokens_per_sec": real_tokens / e2e_sec, "gflops": e2e_gflops, "pct_peak": 100 * e2e_gflops / peak.gflops},
     ]
     params = sum(p.numel() for p in model.parameters())

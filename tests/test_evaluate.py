@@ -99,4 +99,5 @@ def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_di
     meta["data"]["source"] = source(str(synthetic_data_dir))  # absolute paths: found from anywhere
     (model_dir / "config.json").write_text(json.dumps(meta))
     assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
-    assert evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)["num_examples"] == 5
+    given = evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)
+    assert given["num_examples"] == 5

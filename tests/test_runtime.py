@@ -64,7 +64,8 @@ def test_precision_auto_on_cuda_prefers_bf16(monkeypatch):
 def test_grad_scaler_only_for_fp16():
     assert [Runtime(CPU, dtype).grad_scaler().is_enabled() for dtype in (None, torch.bfloat16, torch.float16)] == [
         False, False, True]
-    assert [Runtime(CPU, dtype).precision for dtype in (None, torch.bfloat16, torch.float16)] == ["fp32", "bf16", "fp16"]
+    precisions = [Runtime(CPU, dtype).precision for dtype in (None, torch.bfloat16, torch.float16)]
+    assert precisions == ["fp32", "bf16", "fp16"]
 
 
 def test_single_process_runtime(monkeypatch):

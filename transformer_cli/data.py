@@ -268,13 +268,13 @@ def train_tokenizer(texts: list[str], cfg: DataConfig):
         norm.append(normalizers.Lowercase())
     if cfg.tokenizer == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=MIN_FREQUENCY,
-                                             show_progress=False)
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                             min_frequency=MIN_FREQUENCY, show_progress=False)
         tok.decoder = decoders.WordPiece()
     else:
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=MIN_FREQUENCY,
-                                       show_progress=False)
+        trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                       min_frequency=MIN_FREQUENCY, show_progress=False)
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -286,7 +286,8 @@ def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
     """Train the tokenizer on the training texts, or load it from the cache."""
     from tokenizers import Tokenizer
 
-    path = cache_dir(cfg) / f"tokenizer-{_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)}.json"
+    key = _key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
+    path = cache_dir(cfg) / f"tokenizer-{key}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
