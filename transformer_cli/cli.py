@@ -232,9 +232,9 @@ def main() -> None:
         sys.exit(e.exit_code)
     except usage_error as e:
         see = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-        _exit_with_error(" ".join(e.format_message().split()) + see, e.exit_code)
+        _exit_with_error(e.format_message() + see, e.exit_code)
     except click_exception as e:
-        _exit_with_error(" ".join(e.format_message().split()), e.exit_code)
+        _exit_with_error(e.format_message(), e.exit_code)
     except typer.Abort:  # Ctrl-C outside a command's own handling
         _exit_with_error("interrupted", 130)
     sys.exit(code if isinstance(code, int) else 0)

@@ -589,7 +589,8 @@ def train(cfg: Config, resume: bool | str = False, force: bool = False, progress
         # aborted there now and then ("terminate called without an active exception", no Python
         # frame left): 2 of 35 two-process runs without this collection, none of 45 with it.
         run = None
-        gc.collect()
+        if rt.distributed:
+            gc.collect()
         shutdown(rt)
 
 
