@@ -101,3 +101,12 @@ def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_di
     assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
     given = evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)
     assert given["num_examples"] == 5
+
+
+def test_the_validation_split_is_the_one_the_run_chose_its_model_on(trained_run):
+    out, metrics = trained_run
+    m = evaluate_checkpoint(out, split="validation", device="cpu")
+    assert m["split"] == "validation"
+    assert m["num_examples"] == metrics["val"]["num_examples"]
+    assert m["confusion_matrix"] == metrics["val"]["confusion_matrix"]
+    assert m["loss"] == pytest.approx(metrics["val"]["loss"], rel=1e-5)

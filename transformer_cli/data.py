@@ -25,6 +25,7 @@ PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
+VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what training held out of train, not a split of the dataset
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -431,9 +432,9 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
-    """Load train, hold out a stratified validation split, train the tokenizer (unless one is
-    given), encode both. The `needed` splits (e.g. test, for later) must exist too."""
+def held_out_split(cfg: DataConfig, seed: int, needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str]]:
+    """(train, validation, label names): the train split less a stratified, seeded held-out part.
+    The `needed` splits (e.g. test, for later) must exist too."""
     raw, label_names = load_splits(cfg, ("train", *needed))
     full = raw["train"]
     if len(full) < 2:
@@ -446,7 +447,12 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
                        f"validation split of {len(full)} examples; change either")
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
-    train_raw, val_raw = full.subset(train_idx), full.subset(val_idx)
+    return full.subset(train_idx), full.subset(val_idx), label_names
+
+
+def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
+    """Load train, hold out the validation split, train the tokenizer (unless one is given), encode both."""
+    train_raw, val_raw, label_names = held_out_split(cfg, seed, needed)
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw, cfg, train_fp)
     return Prepared(
@@ -457,9 +463,16 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
     )
 
 
-def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int | None) -> Encoded:
-    raw, _ = load_splits(cfg, (split,))
-    data = raw[split]
+def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int | None,
+                      seed: int | None = None) -> Encoded:
+    """A split of `cfg.source`, encoded. VALIDATION_SPLIT is the part of train that a run with `seed` held out."""
+    if split == VALIDATION_SPLIT:
+        if seed is None:
+            raise ValueError("the validation split is drawn with the run's seed; pass it")
+        _, data, _ = held_out_split(cfg, seed)
+    else:
+        raw, _ = load_splits(cfg, (split,))
+        data = raw[split]
     if max_samples is not None:
         data = data.subset(sample_indices(np.arange(len(data)), max_samples, seed=EVAL_SUBSET_SEED))
     if len(data) == 0:

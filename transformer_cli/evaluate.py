@@ -184,7 +184,8 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",
                         max_samples: int | None = None, device: str = "auto", batch_size: int | None = None) -> dict:
-    """Metrics of a saved model on a split of its dataset (or of `data`)."""
+    """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is the
+    part of train that the run held out, drawn again with its seed: the split its best model was chosen on."""
     from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_eval_data
     from transformer_cli.runtime import make_runtime
@@ -198,7 +199,7 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
         raise UsageError(f"the run's dataset '{src}' (its data.source, relative to where `tfm train` ran) "
                          "is not found from here; pass --data")
     t0 = time.perf_counter()
-    enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples)
+    enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed)
     prep = time.perf_counter() - t0
     metrics = evaluate_model(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels))
     metrics.update({"split": split, "data": cfg.data.source, "labels": labels, "data_prep_sec": prep})
