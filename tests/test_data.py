@@ -45,6 +45,11 @@ def tokenizer(train_texts):
     return train_tokenizer(train_texts, DataConfig(vocab_size=500))
 
 
+@pytest.fixture(scope="session")
+def bpe_tokenizer(train_texts):
+    return train_tokenizer(train_texts, DataConfig(vocab_size=500, tokenizer="bpe"))
+
+
 # --------------------------------------------------------------------------- split
 
 
@@ -136,6 +141,80 @@ def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
     first, second = ids[offsets[0]:offsets[1]].tolist(), ids[offsets[1]:offsets[2]].tolist()
     assert first[0] == CLS_ID and not {PAD_ID, CLS_ID} & set(first[1:])  # only the [CLS] we put first
     assert len(first) > len(second) + 3  # the brackets and letters became tokens of their own
+
+
+class _EncodeLog:
+    """A tokenizer that records the length of every text it encodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def encode(self, text, **kw):
+        self.lengths.append(len(text))
+        return self.tokenizer.encode(text, **kw)
+
+    def encode_batch(self, texts, **kw):
+        self.lengths += [len(t) for t in texts]
+        return self.tokenizer.encode_batch(texts, **kw)
+
+    def __setattr__(self, name, value):
+        if name == "encode_special_tokens":
+            setattr(self.tokenizer, name, value)
+        object.__setattr__(self, name, value)
+
+
+def awkward_text(rng, n_pieces: int) -> str:
+    """Words among what could break an encoding cut in two: <br /> tags with whitespace inside, other
+    whitespace, combining marks, compatibility characters, special tokens' text, runs with no space."""
+    pieces = ["film", "great", "Awful", "plot", "it's", "<br />", "<br/>", "<br>", "<br \n\n />",
+              "<br" + " " * 40 + "/>", "<BR>", "<br", "/>", "[CLS]", "[PAD]", ",", "!!", "e\u0301", "\u0301", "=\u0338",
+              "\uff1c\uff42\uff52\uff1e", "\u00a0", "\u3000", "\u2000", "\x1c", "\t", "\r\n", "x" * 150, "word," * 30,
+              " " * 60, "\n" * 5]
+    seps = [" ", " ", " ", "\n", "", "  ", "\t", "\u00a0"]
+    return "".join(rng.choice(pieces) + rng.choice(seps) for _ in range(n_pieces))
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "bpe_tokenizer"])
+def test_long_texts_encode_from_their_ends_as_when_encoded_whole(request, kind, monkeypatch):
+    import random
+
+    tok = request.getfixturevalue(kind)
+    monkeypatch.setattr(data_mod, "LONG_TEXT_CHARS", 2)  # texts of more than 2 characters a kept token
+    rng = random.Random(0)
+    texts = [awkward_text(rng, rng.choice([5, 60, 400, 1500])) for _ in range(120)]
+    for max_length, strategy, head_fraction in [(9, "head", 0.25), (17, "head_tail", 0.25), (33, "head_tail", 0.0),
+                                                (16, "head_tail", 1.0), (64, "head_tail", 0.5)]:
+        log = _EncodeLog(tok)
+        ids, offsets = encode_texts(log, texts, max_length, strategy, head_fraction)
+        for i, text in enumerate(texts):
+            whole = tok.encode(text, add_special_tokens=False).ids
+            expected = [CLS_ID] + truncate(whole, max_length - 1, strategy, head_fraction)
+            assert ids[offsets[i]:offsets[i + 1]].tolist() == expected, (max_length, strategy, text)
+        long = sum(len(t) > 2 * (max_length - 1) for t in texts)
+        assert 20 < long and len(log.lengths) > len(texts) + long  # the ends were encoded apart ...
+        assert max(log.lengths) < max(map(len, texts))  # ... and the longest text never whole
+
+
+@pytest.mark.parametrize("kind", ["tokenizer", "bpe_tokenizer"])
+def test_a_long_texts_ends_are_cut_where_the_encoding_splits_too(request, kind):
+    import random
+
+    tok = request.getfixturevalue(kind)
+    tok.encode_special_tokens = True
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False).ids
+
+    rng = random.Random(1)
+    cuts = set()
+    for _ in range(150):
+        text = awkward_text(rng, 40)
+        whole, n = enc(text), rng.randrange(len(text) + 1)
+        for cut in (data_mod._cut_before(text, n), data_mod._cut_after(text, n)):
+            assert enc(text[:cut]) + enc(text[cut:]) == whole, (cut, text)
+            cuts.add(cut not in (0, len(text)))
+        assert data_mod._cut_before(text, n) <= n <= data_mod._cut_after(text, n)
+    assert cuts == {True, False}
 
 
 @pytest.mark.parametrize("lowercase", [True, False])
