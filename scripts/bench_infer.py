@@ -29,7 +29,9 @@ What it measures
     (ii) Cold start of fresh subprocesses (the first model), median of --runs, interleaved, after one
          untimed round (so that files are in the page cache): python -c pass, python -c "import
          torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
-         and predict <= import torch + 0.5 s.
+         and predict <= import torch + 0.5 s. With --long-review-mb N (default 50; 0 = off) also
+         tfm predict -c MODEL --file LONG, LONG one review of N MB (seeded words and <br /> tags),
+         as a ratio to predict TEXT; and the peak RSS (VmHWM) of both predicts, from one more run each.
 
 Models
     --checkpoint OUT          a `tfm train` output directory (e.g. runs/base: base.toml's sizes)
@@ -82,6 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads in this process")
     p.add_argument("--runs", type=int, default=5, help="timed runs of each cold-start command (median)")
     p.add_argument("--text", default="A wonderful film: the acting was superb and I loved every minute of it.")
+    p.add_argument("--long-review-mb", type=float, default=50.0, help="size of the one long review predicted (0 = skip)")
     p.add_argument("--skip-throughput", action="store_true", help="only measure cold start (ii)")
     p.add_argument("--skip-cold-start", action="store_true", help="only measure throughput (i)")
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
@@ -294,33 +297,67 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 # --------------------------------------------------------------------------- (ii) cold start
 
 
-def cold_start(model_dir: Path, args) -> dict:
+# `tfm` run by a Python that prints its peak resident memory last, on stderr.
+WITH_PEAK_RSS = ("import atexit, sys; sys.path.insert(0, {scripts!r}); import _bench_common as bc; "
+                 "atexit.register(lambda: print(f'VmHWM_MB={{bc.peak_rss_mb()}}', file=sys.stderr)); "
+                 "from transformer_cli.cli import main; main()")
+
+
+def long_review(path: Path, megabytes: float) -> Path:
+    """One review of `megabytes` MB on one line: seeded words, punctuation and <br /> tags."""
+    import random
+
+    rng = random.Random(0)
+    words = ("the film was great but its plot , honestly , dragged <br /><br /> and the acting felt wooden ! "
+             "I loved the music though .").split()
+    n = int(megabytes * 1e6)
+    path.write_text(" ".join(rng.choice(words) for _ in range(n // 4))[:n] + "\n", encoding="utf-8")
+    return path
+
+
+def cold_start(model_dir: Path, args, tmp: Path) -> dict:
     py, tfm = sys.executable, bc.venv_script("tfm")
+    predict = ["predict", "-c", str(model_dir), args.text]
     commands = {
         "python -c pass": [py, "-c", "pass"],
         "python -c 'import torch'": [py, "-c", "import torch"],
         "tfm --help": [tfm, "--help"],
-        "tfm predict -c MODEL TEXT": [tfm, "predict", "-c", str(model_dir), args.text],
+        "tfm predict -c MODEL TEXT": [tfm, *predict],
     }
+    if args.long_review_mb > 0:
+        long = long_review(tmp / "long-review.txt", args.long_review_mb)
+        long_predict = ["predict", "-c", str(model_dir), "--file", str(long)]
+        commands[f"tfm predict -c MODEL --file LONG ({args.long_review_mb:g} MB)"] = [tfm, *long_predict]
     times: dict[str, list[float]] = {name: [] for name in commands}
+    printed = {}
     for r in range(args.runs + 1):  # round 0 is the untimed warm-up
         for name, cmd in commands.items():
             wall, proc = bc.run_timed(cmd)
+            printed[name] = proc.stdout.strip()[:100]
             if r:
                 times[name].append(wall)
     rows = [{"command": k, "median_sec": statistics.median(v), "min_sec": min(v), "max_sec": max(v)} for k, v in times.items()]
     med = {r["command"]: r["median_sec"] for r in rows}
+    peaks = {"tfm predict -c MODEL TEXT": predict} | ({rows[-1]["command"]: long_predict} if args.long_review_mb > 0 else {})
+    for row in rows:
+        if row["command"] in peaks:
+            _, proc = bc.run_timed([py, "-c", WITH_PEAK_RSS.format(scripts=str(Path(__file__).parent)),
+                                    *peaks[row["command"]]])
+            row["peak_rss_mb"] = float(proc.stderr.strip().splitlines()[-1].removeprefix("VmHWM_MB="))
+            row["vs_predict_text"] = row["median_sec"] / med["tfm predict -c MODEL TEXT"]
     print(f"-- (ii) cold start: fresh processes, median of {args.runs} runs after one untimed round; model {model_dir}")
-    bc.print_table(rows, [("command", "command"), ("median_sec", "median s"), ("min_sec", "min s"), ("max_sec", "max s")],
-                   digits={"median_sec": 3, "min_sec": 3, "max_sec": 3})
-    print(f"   predict printed: {proc.stdout.strip()[:100]}")
+    bc.print_table(rows, [("command", "command"), ("median_sec", "median s"), ("min_sec", "min s"), ("max_sec", "max s"),
+                          ("vs_predict_text", "x predict TEXT"), ("peak_rss_mb", "peak RSS MB")],
+                   digits={"median_sec": 3, "min_sec": 3, "max_sec": 3, "vs_predict_text": 2, "peak_rss_mb": 0})
+    for name in peaks:
+        print(f"   {name} printed: {printed[name]}")
     if os.environ.get("PYTHONDONTWRITEBYTECODE"):
         print("   note: PYTHONDONTWRITEBYTECODE is set, so transformer_cli's modules are compiled on every start")
     over = med["tfm predict -c MODEL TEXT"] - med["python -c 'import torch'"]
     checks = [bc.check("tfm --help", med["tfm --help"], 0.5, " s", higher_is_better=False),
               bc.check("tfm predict - import torch", over, 0.5, " s", higher_is_better=False)]
     print()
-    return {"rows": rows, "predict_minus_import_torch_sec": over, "targets": checks}
+    return {"rows": rows, "printed": printed, "predict_minus_import_torch_sec": over, "targets": checks}
 
 
 def main(argv=None) -> None:
@@ -342,7 +379,7 @@ def main(argv=None) -> None:
         if not args.skip_throughput:
             results["throughput"] = [throughput(d, args, import_datasets_sec) for d in dirs]
         if not args.skip_cold_start:
-            results["cold_start"] = cold_start(dirs[0], args)
+            results["cold_start"] = cold_start(dirs[0], args, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     bc.write_json(args.json, results)

@@ -156,6 +156,26 @@ def test_predict_prints_one_line_per_review_whatever_its_whitespace(cli_run):
     assert [line.split("\t")[2] for line in r.stdout.splitlines()] == ["great film", "awful boring film"]
 
 
+def test_snippets_read_only_the_start_but_show_what_collapsing_the_whole_would():
+    import random
+
+    from transformer_cli.cli import snippet
+
+    def reference(text: str) -> str:
+        line = " ".join(text.split())
+        return line if len(line) <= 60 else line[:57] + "..."
+
+    rng = random.Random(0)
+    pieces = ["great", "film", "a", "x" * 70, " ", "  ", "\t", "\n", "\u2028", " " * 300]
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.choice([rng.randint(1, 8), rng.randint(8, 120)])))
+             for _ in range(400)]
+    cut = sum(reference(t).endswith("...") for t in texts)
+    blank_start = sum(len(t) > 240 and len(" ".join(t[:240].split())) <= 60 for t in texts)
+    assert cut > 100 and len(texts) - cut > 50 and blank_start > 10  # every case is there
+    for text in texts:
+        assert snippet(text) == reference(text), text
+
+
 def test_predict_from_a_closed_stdin_fails_cleanly(cli_run):
     r = python("-m", "transformer_cli", "predict", "-c", str(cli_run), "--file", "-", preexec_fn=lambda: os.close(0))
     assert r.returncode == 2 and r.stderr.startswith("tfm: error: --file -: standard input is closed"), r.stderr

@@ -121,3 +121,29 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
     compiled = result["compile"]
     assert compiled["same_label"] == 1.0 and compiled["max_abs_logit_diff"] < 1e-4
     assert compiled["vs_eager"] == pytest.approx(compiled["eager_sec"] / compiled["compiled_sec"])
+
+
+def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_dir, tmp_path, monkeypatch):
+    out = tmp_path / "infer.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
+           "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cold = json.loads(out.read_text())["cold_start"]
+    rows = {r["command"]: r for r in cold["rows"]}
+    short, long = rows["tfm predict -c MODEL TEXT"], rows["tfm predict -c MODEL --file LONG (0.3 MB)"]
+    assert len(rows) == 5 and short["vs_predict_text"] == 1.0
+    assert long["vs_predict_text"] == pytest.approx(long["median_sec"] / short["median_sec"])
+    assert 50 < short["peak_rss_mb"] < 5000 and 50 < long["peak_rss_mb"] < 5000
+
+    # What it printed is the reference's: the review encoded whole, not from its two ends.
+    from transformer_cli import data as data_mod
+    from transformer_cli.evaluate import predict_texts
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_infer import long_review
+
+    text = long_review(tmp_path / "long.txt", 0.3).read_text(encoding="utf-8").rstrip("\n")
+    monkeypatch.setattr(data_mod, "LONG_TEXT_CHARS", len(text))
+    (r,) = predict_texts(trained_dir, [text], device="cpu")
+    assert cold["printed"][long["command"]].split("\t")[:2] == [r["label"], f"{r['score']:.4f}"]
