@@ -297,8 +297,9 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 # --------------------------------------------------------------------------- (ii) cold start
 
 
-# `tfm` run by a Python that prints its peak resident memory last, on stderr.
-WITH_PEAK_RSS = ("import atexit, sys; sys.path.insert(0, {scripts!r}); import _bench_common as bc; "
+# `tfm` run by a Python that prints its peak resident memory last, on stderr; it imports
+# transformer_cli from where `tfm` does (not from the working directory, which `python -c` puts first).
+WITH_PEAK_RSS = ("import atexit, sys; sys.path[0] = {scripts!r}; import _bench_common as bc; "
                  "atexit.register(lambda: print(f'VmHWM_MB={{bc.peak_rss_mb()}}', file=sys.stderr)); "
                  "from transformer_cli.cli import main; main()")
 
