@@ -339,7 +339,7 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
 
 def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: float) -> list[int]:
     """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a
-    50 MB review took 7 GB and a minute to encode whole. Each end is cut where a word ends, and
+    50 MB review took 8 GB and over a minute to encode whole. Each end is cut where a word ends, and
     grows until it holds enough tokens; text that never does is encoded whole."""
     n_head = limit if truncation == "head" else int(round(limit * head_fraction))
     n_tail = limit - n_head
