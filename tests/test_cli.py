@@ -50,6 +50,15 @@ def test_help_lists_the_commands():
         assert command in r.stdout
 
 
+def test_version_is_the_installed_packages():
+    from importlib.metadata import version
+
+    r = python("-m", "transformer_cli", "--version")
+    assert r.returncode == 0 and r.stdout == f"tfm {version('transformer-cli')}\n", (r.stdout, r.stderr)
+    r = python("-m", "transformer_cli", "--help")
+    assert r.returncode == 0 and "--version" in r.stdout and "Train, evaluate and run" in r.stdout
+
+
 def test_importing_the_cli_does_not_import_torch():
     r = python("-c", "import sys, transformer_cli.cli; assert 'torch' not in sys.modules, 'torch imported'")
     assert r.returncode == 0, r.stderr

@@ -56,6 +56,22 @@ def _out_of_memory(e: Exception) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from transformer_cli import __version__
+
+        typer.echo(f"tfm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    pass
+
+
 Ckpt = Annotated[Path, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
 
