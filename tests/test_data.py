@@ -169,7 +169,7 @@ def awkward_text(rng, n_pieces: int) -> str:
     pieces = ["film", "great", "Awful", "plot", "it's", "<br />", "<br/>", "<br>", "<br \n\n />",
               "<br" + " " * 40 + "/>", "<BR>", "<br", "/>", "[CLS]", "[PAD]", ",", "!!", "e\u0301", "\u0301", "=\u0338",
               "\uff1c\uff42\uff52\uff1e", "\u00a0", "\u3000", "\u2000", "\x1c", "\t", "\r\n", "x" * 150, "word," * 30,
-              " " * 60, "\n" * 5]
+              " " * 60, "\n" * 5, ",\u0301", ".\u0338", "!\u00e9", "3.5", "a,b.c!d;e:f?" * 20, "<br,/>", "<br.>"]
     seps = [" ", " ", " ", "\n", "", "  ", "\t", "\u00a0"]
     return "".join(rng.choice(pieces) + rng.choice(seps) for _ in range(n_pieces))
 
@@ -215,6 +215,22 @@ def test_a_long_texts_ends_are_cut_where_the_encoding_splits_too(request, kind):
             cuts.add(cut not in (0, len(text)))
         assert data_mod._cut_before(text, n) <= n <= data_mod._cut_after(text, n)
     assert cuts == {True, False}
+
+
+def test_the_normalizer_joins_nothing_to_the_characters_a_long_text_is_cut_after(tokenizer):
+    import unicodedata
+
+    # The characters NFKC could join to one before them: marks, and the second half of any
+    # canonical decomposition into two.
+    chars = [chr(c) for c in range(0x110000)]
+    joiners = {c for c in chars if unicodedata.combining(c)} | {
+        chr(int(d.split()[1], 16)) for d in map(unicodedata.decomposition, chars)
+        if d and not d.startswith("<") and len(d.split()) == 2}
+    norm = tokenizer.normalizer.normalize_str
+    for c in data_mod.CUT_AFTER:
+        for d in joiners:
+            assert norm(c + d) == norm(c) + norm(d), (c, d)
+    assert norm("=\u0338") != norm("=") + norm("\u0338")  # the check sees such a join
 
 
 @pytest.mark.parametrize("lowercase", [True, False])

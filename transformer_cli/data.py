@@ -317,7 +317,8 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
 
 
 LONG_TEXT_CHARS = 32  # per kept token: a text longer than this is encoded from its two ends only
-_WORD_BREAK = re.compile(r"[ \n]")
+CUT_AFTER = " \n,.!?;:"  # a long text may be cut just after one of these (_broken_tag: the exception)
+_CUT = re.compile(f"[{re.escape(CUT_AFTER)}]")
 
 
 def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
@@ -355,10 +356,10 @@ def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: 
     return truncate(tokenizer.encode(text, add_special_tokens=False).ids, limit, truncation, head_fraction)
 
 
-# A cut just after a space or newline splits a text's encoding there too: the pre-tokenizer ends
-# words at whitespace, NFKC composes no character with a space, and the only normalizer step that
-# reads across whitespace is the `<br\s*/?>` tag's, which a cut between "<br" and "/>" would break.
-# (A cut after punctuation would not do: NFKC turns "=" + U+0338 into one character.)
+# Such a cut splits a text's encoding there too: the pre-tokenizer ends words at whitespace and
+# isolates each punctuation character; NFKC composes nothing with these characters (it would with
+# "=", "<" or ">": "=" + U+0338 is one character); and the only normalizer step that reads across
+# a cut is the `<br\s*/?>` tag's, which a cut in the whitespace between "<br" and "/>" would break.
 
 
 def _broken_tag(text: str, i: int) -> int | None:
@@ -371,23 +372,27 @@ def _broken_tag(text: str, i: int) -> int | None:
 
 def _cut_before(text: str, n: int) -> int:
     """The last safe cut at or before n, or 0."""
-    i = n
-    while i > 0:
-        i = max(text.rfind(" ", 0, i), text.rfind("\n", 0, i)) + 1
-        if i == 0 or (broken := _broken_tag(text, i)) is None:
-            return i
-        i = broken
+    hi, window = n, 256
+    while hi > 0:
+        lo = max(hi - window, 0)
+        ends = [m.end() for m in _CUT.finditer(text, lo, hi + 1) if m.end() <= hi]
+        if not ends:
+            hi, window = lo, 2 * window
+        elif (broken := _broken_tag(text, ends[-1])) is None:
+            return ends[-1]
+        else:
+            hi = broken  # every cut from there to ends[-1] parts the same tag
     return 0
 
 
 def _cut_after(text: str, n: int) -> int:
     """The first safe cut at or after n, or len(text)."""
     start = max(n - 1, 0)
-    while (m := _WORD_BREAK.search(text, start)) is not None:
+    while (m := _CUT.search(text, start)) is not None:
         if _broken_tag(text, m.end()) is None:
             return m.end()
         start = m.end()
-        while start < len(text) and text[start].isspace():  # every cut in this run breaks the same tag
+        while start < len(text) and text[start].isspace():  # every cut in this run parts the same tag
             start += 1
     return len(text)
 
