@@ -78,11 +78,14 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"train": {"seed": -1}}, ["train.seed", "-1", "2**32 - 1"]),
         ({"train": {"seed": 2**64}}, ["train.seed", "2**32 - 1"]),
         ({"train": {"output_dir": ""}}, ["train.output_dir", "must name a folder"]),
+        ({"data": {"val_split": "test"}}, ["data.val_split", "'test'", "neither train"]),
+        ({"data": {"val_split": "train"}}, ["data.val_split", "'train'"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
          "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
-         "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty"],
+         "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty",
+         "val-split-test", "val-split-train"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:
@@ -208,6 +211,6 @@ def test_saved_configs_get_the_values_of_fields_added_after_them():
     # Saved with the first n-gram path (bigrams, every occurrence counted, one loss): rebuilt as it was trained.
     first = with_legacy_values({"model": {"ngram_buckets": 1 << 20}, "data": {}})
     assert first["model"] == {"ngram_buckets": 1 << 20, "ngram_order": 2, "ngram_binary": False, "ngram_own_loss": False}
-    assert first["data"] == {"val_block": 1}
+    assert first["data"] == {"val_block": 1, "val_split": ""}  # validated on a part held out of train
     # A field that was saved keeps its value.
     assert with_legacy_values({"model": {"ngram_order": 3, "ngram_binary": True}})["model"]["ngram_order"] == 3

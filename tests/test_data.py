@@ -466,6 +466,49 @@ def test_prepare_train_data_holds_out_a_stratified_validation_split(data_cfg):
     assert prepared.train.lengths.max() <= data_cfg.max_length
 
 
+@pytest.fixture
+def with_validation_dir(synthetic_data_dir, tmp_path) -> Path:
+    """The synthetic data plus a validation split of its own (60 reviews)."""
+    root = tmp_path / "with-validation"
+    root.mkdir()
+    for name in ("train", "test"):
+        (root / f"{name}.jsonl").write_bytes((synthetic_data_dir / f"{name}.jsonl").read_bytes())
+    write_jsonl(root / "validation.jsonl", make_examples(60, seed=3))
+    return root
+
+
+def test_a_datasets_own_validation_split_is_validated_on(with_validation_dir, data_cfg):
+    cfg = dataclasses.replace(data_cfg, source=str(with_validation_dir))
+    prepared = prepare_train_data(cfg, seed=0)
+    assert (len(prepared.train), len(prepared.val)) == (400, 60)  # all of train; the split as it is
+    val_rows = read_jsonl(with_validation_dir / "validation.jsonl")
+    assert prepared.val.labels.tolist() == [r["label"] for r in val_rows]
+    expected, _ = encode_texts(prepared.tokenizer, [r["text"] for r in val_rows], cfg.max_length, cfg.truncation,
+                               cfg.head_fraction)
+    assert np.array_equal(prepared.val.ids, expected)
+    # what `tfm evaluate --split validation` reads for this run
+    again = data_mod.prepare_eval_data(cfg, prepared.tokenizer, "validation", None, seed=0)
+    assert np.array_equal(again.ids, prepared.val.ids) and np.array_equal(again.labels, prepared.val.labels)
+
+    subset = prepare_train_data(dataclasses.replace(cfg, max_eval_samples=25, max_train_samples=100), seed=0)
+    assert (len(subset.train), len(subset.val)) == (100, 25)
+    held_out = prepare_train_data(dataclasses.replace(cfg, val_split=""), seed=0)  # "" = hold out of train
+    assert_same_prepared(held_out, prepare_train_data(data_cfg, seed=0))
+
+
+def test_an_empty_validation_split_is_refused(data_cfg, monkeypatch):
+    # datasets itself refuses an empty split file; a split emptied any other way must not yield NaN metrics
+    real = data_mod.load_splits
+
+    def emptied(cfg, splits, optional=()):
+        raw, labels = real(cfg, splits)
+        return {**raw, "validation": raw["train"].subset(np.arange(0))}, labels
+
+    monkeypatch.setattr(data_mod, "load_splits", emptied)
+    with pytest.raises(TfmError, match=r"the validation split of .* is empty; fill it, or set data.val_split"):
+        prepare_train_data(data_cfg, seed=0)
+
+
 def test_second_prepare_hits_the_cache(data_cfg, monkeypatch):
     first = prepare_train_data(data_cfg, seed=0)
     cached = sorted(p.name.split("-")[0] for p in Path(data_cfg.cache_dir).iterdir())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import needs_cxx, read_scalars, tiny_config
+from conftest import make_examples, needs_cxx, read_scalars, tiny_config, write_jsonl
 from safetensors.torch import load_file
 
 from transformer_cli import checkpoint as ckpt
@@ -411,6 +411,25 @@ def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_ru
     cfg = tiny_config(synthetic_data_dir, out, train__keep_checkpoints=100)  # trained_run's own settings
     resumed = train(cfg, resume=str(first), progress=False)
     assert resumed["steps"] == trained_run[1]["steps"]
+
+
+def test_a_run_that_held_out_part_of_train_does_not_switch_to_a_validation_split_on_resume(synthetic_data_dir,
+                                                                                         tmp_path):
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(synthetic_data_dir, data)
+    cfg = tiny_config(data, tmp_path / "run", train__max_steps=4, train__checkpoint_every=2)
+    train(cfg, progress=False)
+    first = ckpt.checkpoint_dirs(tmp_path / "run")[0]
+    state = json.loads((first / "trainer.json").read_text())
+    del state["config"]["data"]["val_split"]  # as written before the field existed: it held out part of train
+    (first / "trainer.json").write_text(json.dumps(state))
+    write_jsonl(data / "validation.jsonl", make_examples(30, seed=9))  # the dataset now has its own
+    with pytest.raises(UsageError, match="data.val_split: '' -> 'validation'"):
+        train(cfg, resume=str(first), progress=False)
+    resumed = train(cfg.replace(data={"val_split": ""}), resume=str(first), progress=False)
+    assert resumed["steps"] == 4 and resumed["val"]["num_examples"] == 40  # 10% of train, not the 30 new ones
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(synthetic_data_dir, tmp_path):

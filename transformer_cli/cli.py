@@ -207,7 +207,7 @@ def evaluate(
     checkpoint: Ckpt = Path("runs/tfm"),
     data: Annotated[str | None, typer.Option(help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
     split: Annotated[str, typer.Option(
-        help="Split to evaluate; 'validation' is the part of train the run held out.")] = "test",
+        help="Split to evaluate; 'validation' is what the run validated on.")] = "test",
     max_samples: Annotated[int | None, typer.Option(min=1, help="Evaluate a seeded random subset of this size.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
     device: Device = "auto",

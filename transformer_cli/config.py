@@ -141,7 +141,8 @@ class DataConfig(_Section):
     source: str = "stanfordnlp/imdb"  # Hub id, Hub-layout folder, aclImdb folder/tarball, or files
     text_column: str = "text"
     label_column: str = "label"
-    val_size: float = 0.1  # fraction of train held out for validation (stratified, seeded)
+    val_split: str = "validation"  # the dataset's split to validate on, if it has one; "" = always hold out
+    val_size: float = 0.1  # otherwise the fraction of train held out for validation (stratified, seeded)
     val_block: int = 1  # > 1: hold out runs of this many consecutive examples (e.g. a movie's reviews)
     tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
     vocab_size: int = 30000
@@ -156,6 +157,9 @@ class DataConfig(_Section):
     def validate(self) -> None:
         if not self.source:
             self._fail("source", "must name a dataset")
+        if self.val_split in ("train", "test"):
+            self._fail("val_split", f"cannot be '{self.val_split}': models are chosen on data they neither train "
+                       "nor are tested on; name a validation split, or \"\" to hold out part of train")
         if not 0.0 < self.val_size < 1.0:
             self._fail("val_size", "must be a fraction in (0, 1)")
         if self.val_block < 1:
@@ -272,7 +276,7 @@ class Config:
 
 # Fields added after runs were first saved, with the value that reproduces what older runs did.
 LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("model", "ngram_order"): 2, ("model", "ngram_binary"): False,
-                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1}
+                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1, ("data", "val_split"): ""}
 
 
 def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:

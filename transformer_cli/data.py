@@ -25,7 +25,7 @@ PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
-VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what training held out of train, not a split of the dataset
+VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see held_out_split)
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -76,8 +76,9 @@ class Encoded:
 # --------------------------------------------------------------------------- loading
 
 
-def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, RawSplit], list[str]]:
-    """The requested splits of `cfg.source` and the label names."""
+def load_splits(cfg: DataConfig, splits: tuple[str, ...],
+                optional: tuple[str, ...] = ()) -> tuple[dict[str, RawSplit], list[str]]:
+    """The requested splits of `cfg.source`, and those of the `optional` ones it has; the label names."""
     source = cfg.source
     path = Path(source)
     if "=" in source and not path.exists():
@@ -85,21 +86,21 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...]) -> tuple[dict[str, Raw
         if any(len(p) != 2 or not p[0] or not p[1] for p in parts):
             raise UsageError(f"data source '{source}': write named files as SPLIT=FILE[,SPLIT=FILE...], "
                              "e.g. train=a.csv,test=b.csv")
-        return _from_hf_files(dict(parts), cfg, splits)
+        return _from_hf_files(dict(parts), cfg, splits, optional)
     if path.is_file():
         if source.endswith((".tar.gz", ".tgz")):
             return _from_acl_tarball(path, splits)
         if path.suffix.lower() in FILE_BUILDERS:
-            return _from_hf_files({"train": source}, cfg, splits)
+            return _from_hf_files({"train": source}, cfg, splits, optional)
         raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
     if path.is_dir():
         acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
         if (acl / "train" / "pos").is_dir():
-            return _from_acl_folder(acl, splits)
-        return _from_hf(source, cfg, splits)
+            return _from_acl_folder(acl, splits)  # aclImdb has train and test only
+        return _from_hf(source, cfg, splits, optional)
     if looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
-    return _from_hf(source, cfg, splits)
+    return _from_hf(source, cfg, splits, optional)
 
 
 def local_paths(source: str) -> list[str]:
@@ -115,7 +116,7 @@ def looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.lower().endswith(suffixes)
 
 
-def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
+def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
@@ -127,10 +128,10 @@ def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...]):
         raise TfmError(
             f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH"
         ) from None
-    return _from_dataset_dict(ds, cfg, splits, source)
+    return _from_dataset_dict(ds, cfg, splits, source, optional)
 
 
-def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...]):
+def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
@@ -147,13 +148,13 @@ def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ..
         ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:
         raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
-    return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()))
+    return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()), optional)
 
 
-def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str):
+def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, optional: tuple[str, ...] = ()):
     out: dict[str, RawSplit] = {}
     label_names = DEFAULT_LABELS
-    for split in splits:
+    for split in (*splits, *(s for s in optional if s in ds and s not in splits)):
         if split not in ds:
             raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})")
         d = ds[split]
@@ -491,6 +492,7 @@ class Prepared:
     labels: list[str]
     train: Encoded
     val: Encoded
+    val_split: str  # the dataset's split validated on; "" when held out of train
 
 
 def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
@@ -500,27 +502,38 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def held_out_split(cfg: DataConfig, seed: int, needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str]]:
-    """(train, validation, label names): the train split less a stratified, seeded held-out part.
-    The `needed` splits (e.g. test, for later) must exist too."""
-    raw, label_names = load_splits(cfg, ("train", *needed))
+def held_out_split(cfg: DataConfig, seed: int,
+                   needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str], str]:
+    """(train, validation, label names, the validation's split name): the dataset's `data.val_split` if
+    it has one, else a stratified, seeded part held out of train (name ""). The `needed` splits (e.g.
+    test, for later) must exist too."""
+    raw, label_names = load_splits(cfg, ("train", *needed), (cfg.val_split,) if cfg.val_split else ())
     full = raw["train"]
     if len(full) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")
     if len(np.unique(full.labels)) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has only one label; need examples of both classes")
-    train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed, cfg.val_block)
-    if len(val_idx) == 0 or len(train_idx) == 0:
-        raise TfmError(f"data.val_size = {cfg.val_size} (data.val_block = {cfg.val_block}) leaves an empty train or "
-                       f"validation split of {len(full)} examples; change either")
+    val_split = cfg.val_split if cfg.val_split in raw else ""
+    if val_split:
+        val = raw[val_split]
+        if len(val) == 0:
+            raise TfmError(f"the {cfg.val_split} split of '{cfg.source}' is empty; fill it, or set data.val_split = "
+                           '"" to hold out part of train')
+        train_idx, val_idx = np.arange(len(full)), np.arange(len(val))
+    else:
+        val = full
+        train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed, cfg.val_block)
+        if len(val_idx) == 0 or len(train_idx) == 0:
+            raise TfmError(f"data.val_size = {cfg.val_size} (data.val_block = {cfg.val_block}) leaves an empty train "
+                           f"or validation split of {len(full)} examples; change either")
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
-    return full.subset(train_idx), full.subset(val_idx), label_names
+    return full.subset(train_idx), val.subset(val_idx), label_names, val_split
 
 
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
     """Load train, hold out the validation split, train the tokenizer (unless one is given), encode both."""
-    train_raw, val_raw, label_names = held_out_split(cfg, seed, needed)
+    train_raw, val_raw, label_names, val_split = held_out_split(cfg, seed, needed)
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw, cfg, train_fp)
     return Prepared(
@@ -528,16 +541,17 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
         labels=label_names,
         train=cached_encode(tok, train_raw, cfg, train_fp),
         val=cached_encode(tok, val_raw, cfg, val_raw.fingerprint()),
+        val_split=val_split,
     )
 
 
 def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int | None,
                       seed: int | None = None) -> Encoded:
-    """A split of `cfg.source`, encoded. VALIDATION_SPLIT is the part of train that a run with `seed` held out."""
+    """A split of `cfg.source`, encoded. VALIDATION_SPLIT is what a run with `seed` validated on."""
     if split == VALIDATION_SPLIT:
         if seed is None:
             raise ValueError("the validation split is drawn with the run's seed; pass it")
-        _, data, _ = held_out_split(cfg, seed)
+        _, data, _, _ = held_out_split(cfg, seed)
     else:
         raw, _ = load_splits(cfg, (split,))
         data = raw[split]

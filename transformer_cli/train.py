@@ -253,13 +253,18 @@ def _find_resume(out: Path, resume: bool | str) -> Path | None:
     return found[-1]
 
 
-def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
+def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool,
+                         val_split: str) -> None:
+    """Refuse settings that differ from the checkpoint's; `val_split` is the split validated on now."""
     now, saved = cfg.to_dict(), with_legacy_values(saved)
     path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
+    # A run that held out part of train still does if the dataset has no split of the new name.
+    held_out_both = saved["data"]["val_split"] == "" and val_split == ""
 
     def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
         return not (section == "train" and key in RESUME_FREE) and not (
-            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
+            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets") and not (
+            held_out_both and (section, key) == ("data", "val_split"))
 
     diffs = [
         f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
@@ -309,7 +314,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
     if resume_dir is not None:
-        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
+        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force, data.val_split)
     if rt.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -327,9 +332,10 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     return Run(cfg, rt, out, model, engine, optimizer, scaler, data.train, data.val, data.labels, state, ema)
 
 
-def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None, force: bool) -> TrainState:
+def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None, force: bool,
+             val_split: str) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
-    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
+    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force, val_split)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
         # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
