@@ -78,7 +78,7 @@ def test_base_toml_documents_the_built_in_defaults():
         ({"train": {"seed": -1}}, ["train.seed", "-1", "2**32 - 1"]),
         ({"train": {"seed": 2**64}}, ["train.seed", "2**32 - 1"]),
         ({"train": {"output_dir": ""}}, ["train.output_dir", "must name a folder"]),
-        ({"data": {"val_split": "test"}}, ["data.val_split", "'test'", "neither train"]),
+        ({"data": {"val_split": "test"}}, ["data.val_split", "'test'", "other than train and test"]),
         ({"data": {"val_split": "train"}}, ["data.val_split", "'train'"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",

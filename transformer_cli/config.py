@@ -158,8 +158,8 @@ class DataConfig(_Section):
         if not self.source:
             self._fail("source", "must name a dataset")
         if self.val_split in ("train", "test"):
-            self._fail("val_split", f"cannot be '{self.val_split}': models are chosen on data they neither train "
-                       "nor are tested on; name a validation split, or \"\" to hold out part of train")
+            self._fail("val_split", "must name a split other than train and test (models are chosen on data they "
+                       "neither train nor are tested on), or be \"\" to hold out part of train")
         if not 0.0 < self.val_size < 1.0:
             self._fail("val_size", "must be a fraction in (0, 1)")
         if self.val_block < 1:
