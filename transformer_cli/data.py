@@ -25,7 +25,7 @@ PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
-VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see held_out_split)
+VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -502,8 +502,8 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def held_out_split(cfg: DataConfig, seed: int,
-                   needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str], str]:
+def train_val_splits(cfg: DataConfig, seed: int,
+                     needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str], str]:
     """(train, validation, label names, the validation's split name): the dataset's `data.val_split` if
     it has one, else a stratified, seeded part held out of train (name ""). The `needed` splits (e.g.
     test, for later) must exist too."""
@@ -532,8 +532,9 @@ def held_out_split(cfg: DataConfig, seed: int,
 
 
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
-    """Load train, hold out the validation split, train the tokenizer (unless one is given), encode both."""
-    train_raw, val_raw, label_names, val_split = held_out_split(cfg, seed, needed)
+    """Load train and the validation split (train_val_splits), train the tokenizer (unless one is given),
+    encode both."""
+    train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw, cfg, train_fp)
     return Prepared(
@@ -551,7 +552,7 @@ def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int |
     if split == VALIDATION_SPLIT:
         if seed is None:
             raise ValueError("the validation split is drawn with the run's seed; pass it")
-        _, data, _, _ = held_out_split(cfg, seed)
+        _, data, _, _ = train_val_splits(cfg, seed)
     else:
         raw, _ = load_splits(cfg, (split,))
         data = raw[split]

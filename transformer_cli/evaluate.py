@@ -185,7 +185,7 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",
                         max_samples: int | None = None, device: str = "auto", batch_size: int | None = None) -> dict:
     """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is what
-    the run validated on (data.held_out_split, with its seed): the split its best model was chosen on."""
+    the run validated on (data.train_val_splits, with its seed): the split its best model was chosen on."""
     from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_eval_data
     from transformer_cli.runtime import make_runtime
