@@ -382,6 +382,16 @@ def test_load_named_files(tmp_path, csv_rows):
     assert pairs(splits["test"]) == [(r["text"], r["label"]) for r in csv_rows[8:]]
 
 
+def test_optional_splits_are_loaded_when_the_dataset_has_them(tmp_path, csv_rows):
+    a = write_csv(tmp_path / "a.csv", csv_rows[:8])
+    b = write_csv(tmp_path / "b.csv", csv_rows[8:])
+    splits, _ = load_splits(cfg_for(f"train={a},validation={b}"), ("train",), ("validation", "dev"))
+    assert sorted(splits) == ["train", "validation"]  # no 'dev': skipped, not an error
+    assert pairs(splits["validation"]) == [(r["text"], r["label"]) for r in csv_rows[8:]]
+    splits, _ = load_splits(cfg_for(a), ("train",), ("validation",))  # one file: train only
+    assert sorted(splits) == ["train"]
+
+
 ACL_FILES = {
     "train/pos/0_9.txt": "Superb film.<br />Loved it",
     "train/pos/1_8.txt": "wonderful acting",
