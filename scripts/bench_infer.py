@@ -30,7 +30,7 @@ What it measures
          untimed round (so that files are in the page cache): python -c pass, python -c "import
          torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
          and predict <= import torch + 0.5 s. With --long-review-mb N (default 50; 0 = off) also
-         tfm predict -c MODEL --file LONG, LONG one review of N MB (seeded words and <br /> tags),
+         tfm predict -c MODEL --file LONG, LONG one review of N MB (seeded words, `<br` and `/>`),
          as a ratio to predict TEXT; and the peak RSS (VmHWM) of both predicts, from one more run each.
 
 Models
@@ -138,11 +138,11 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     cfg = cfg.replace(data={"source": args.data})
     entries = set(cache_dir(cfg.data).glob("encoded-*.npz"))
     t0 = bc.now()
-    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples)
+    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     first_prep_sec = bc.now() - t0
     encoded = bool(set(cache_dir(cfg.data).glob("encoded-*.npz")) - entries)
     t0 = bc.now()
-    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples)
+    enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     prep_sec = bc.now() - t0
 
     m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
@@ -305,7 +305,7 @@ WITH_PEAK_RSS = ("import atexit, sys; sys.path[0] = {scripts!r}; import _bench_c
 
 
 def long_review(path: Path, megabytes: float) -> Path:
-    """One review of `megabytes` MB on one line: seeded words, punctuation and <br /> tags."""
+    """One review of `megabytes` MB on one line: seeded words, punctuation and pieces of <br /> tags."""
     import random
 
     rng = random.Random(0)

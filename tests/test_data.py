@@ -491,6 +491,7 @@ def test_a_datasets_own_validation_split_is_validated_on(with_validation_dir, da
     cfg = dataclasses.replace(data_cfg, source=str(with_validation_dir))
     prepared = prepare_train_data(cfg, seed=0)
     assert (len(prepared.train), len(prepared.val)) == (400, 60)  # all of train; the split as it is
+    assert prepared.val_split == "validation"
     val_rows = read_jsonl(with_validation_dir / "validation.jsonl")
     assert prepared.val.labels.tolist() == [r["label"] for r in val_rows]
     expected, _ = encode_texts(prepared.tokenizer, [r["text"] for r in val_rows], cfg.max_length, cfg.truncation,
@@ -504,6 +505,20 @@ def test_a_datasets_own_validation_split_is_validated_on(with_validation_dir, da
     assert (len(subset.train), len(subset.val)) == (100, 25)
     held_out = prepare_train_data(dataclasses.replace(cfg, val_split=""), seed=0)  # "" = hold out of train
     assert_same_prepared(held_out, prepare_train_data(data_cfg, seed=0))
+
+
+def test_a_named_validation_split_the_dataset_lacks_is_refused(data_cfg):
+    with pytest.raises(UsageError, match=r"data.val_split = 'dev': .* has no such split; name one it has, or set"):
+        prepare_train_data(dataclasses.replace(data_cfg, val_split="dev"), seed=0)
+    assert prepare_train_data(data_cfg, seed=0).val_split == ""  # the default: held out when the dataset has none
+
+
+def test_an_unusable_validation_split_says_how_to_do_without(with_validation_dir, data_cfg):
+    write_jsonl(with_validation_dir / "validation.jsonl", [{"text": "a", "label": -1}, {"text": "b", "label": 0}])
+    cfg = dataclasses.replace(data_cfg, source=str(with_validation_dir))
+    with pytest.raises(TfmError, match=r"has label -1; .* \(or set data.val_split = \"\" to validate on part of train"):
+        prepare_train_data(cfg, seed=0)
+    assert len(prepare_train_data(dataclasses.replace(cfg, val_split=""), seed=0).val) == 40
 
 
 def test_an_empty_validation_split_is_refused(data_cfg, monkeypatch):

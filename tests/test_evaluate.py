@@ -1,3 +1,4 @@
+import json
 import math
 from pathlib import Path
 
@@ -105,6 +106,7 @@ def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_di
 
 def test_the_validation_split_is_the_one_the_run_chose_its_model_on(trained_run):
     out, metrics = trained_run
+    assert json.loads((out / "config.json").read_text())["data"]["val_split"] == ""  # held out of train
     m = evaluate_checkpoint(out, split="validation", device="cpu")
     assert m["split"] == "validation"
     assert m["num_examples"] == metrics["val"]["num_examples"]

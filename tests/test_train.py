@@ -422,9 +422,9 @@ def test_a_run_that_held_out_part_of_train_does_not_switch_to_a_validation_split
     cfg = tiny_config(data, tmp_path / "run", train__max_steps=4, train__checkpoint_every=2)
     train(cfg, progress=False)
     first = ckpt.checkpoint_dirs(tmp_path / "run")[0]
-    state = json.loads((first / "trainer.json").read_text())
-    del state["config"]["data"]["val_split"]  # as written before the field existed: it held out part of train
-    (first / "trainer.json").write_text(json.dumps(state))
+    for saved in (json.loads((first / "trainer.json").read_text())["config"],
+                  json.loads((tmp_path / "run" / ckpt.CONFIG_FILE).read_text())):
+        assert saved["data"]["val_split"] == ""  # what it did: no such split, so part of train held out
     write_jsonl(data / "validation.jsonl", make_examples(30, seed=9))  # the dataset now has its own
     with pytest.raises(UsageError, match="data.val_split: '' -> 'validation'"):
         train(cfg, resume=str(first), progress=False)

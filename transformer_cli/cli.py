@@ -194,11 +194,11 @@ def predict(
 
 
 def snippet(text: str, width: int = 60) -> str:
-    """`text` on one line, its whitespace runs as single spaces, cut to `width` characters. Only its
-    start is read when that holds enough words: collapsing a 50 MB review whole took 1.4 s and 0.7 GB."""
-    line = " ".join(text[: 4 * width].split())
-    if len(line) <= width and len(text) > 4 * width:
-        line = " ".join(text.split())  # mostly whitespace at the start
+    """`text` on one line, its whitespace runs as single spaces, cut to `width` characters. Only as much
+    of its start is read as holds enough words: collapsing a 50 MB review whole took 1.4 s and 0.7 GB."""
+    size = 4 * width
+    while len(line := " ".join(text[:size].split())) <= width and size < len(text):
+        size *= 4  # mostly whitespace so far
     return line if len(line) <= width else line[: width - 3] + "..."
 
 

@@ -26,6 +26,7 @@ DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
+DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -157,22 +158,30 @@ def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, 
     for split in (*splits, *(s for s in optional if s in ds and s not in splits)):
         if split not in ds:
             raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})")
-        d = ds[split]
-        missing = [c for c in (cfg.text_column, cfg.label_column) if c not in d.column_names]
-        if missing:
-            raise TfmError(
-                f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
-                f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column"
-            )
-        feature = d.features[cfg.label_column]
-        if hasattr(feature, "names"):
-            label_names = list(feature.names)
-        columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
-        texts = columns[cfg.text_column]
-        if any(not isinstance(t, str) for t in texts):
-            raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
-        out[split] = RawSplit(texts, _check_labels(columns[cfg.label_column], len(label_names), split, name))
+        try:
+            out[split], label_names = _one_split(ds[split], cfg, split, name, label_names)
+        except TfmError as e:
+            if split in splits:
+                raise
+            raise type(e)(f'{e} (or set data.val_split = "" to validate on part of train instead)') from None
     return out, label_names
+
+
+def _one_split(d, cfg: DataConfig, split: str, name: str, label_names: list[str]) -> tuple[RawSplit, list[str]]:
+    missing = [c for c in (cfg.text_column, cfg.label_column) if c not in d.column_names]
+    if missing:
+        raise TfmError(
+            f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
+            f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column"
+        )
+    feature = d.features[cfg.label_column]
+    if hasattr(feature, "names"):
+        label_names = list(feature.names)
+    columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
+    texts = columns[cfg.text_column]
+    if any(not isinstance(t, str) for t in texts):
+        raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
+    return RawSplit(texts, _check_labels(columns[cfg.label_column], len(label_names), split, name)), label_names
 
 
 def _check_labels(values, num_labels: int, split: str, name: str) -> np.ndarray:
@@ -320,6 +329,7 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
 LONG_TEXT_CHARS = 32  # per kept token: a text longer than this is encoded from its two ends only
 CUT_AFTER = " \n,.!?;:"  # a long text may be cut just after one of these (_broken_tag: the exception)
 _CUT = re.compile(f"[{re.escape(CUT_AFTER)}]")
+_SPACES = re.compile(r"\s*")
 
 
 def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
@@ -347,7 +357,7 @@ def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: 
     n_tail = limit - n_head
     chars = 8 * limit + 64
     while 2 * chars < len(text):
-        a, b = _cut_before(text, chars), _cut_after(text, len(text) - chars)
+        a, b = _cut_before(text, chars), (_cut_after(text, len(text) - chars) if n_tail else len(text))
         if a > 0 and (n_tail == 0 or a <= b < len(text)):
             head = tokenizer.encode(text[:a], add_special_tokens=False).ids
             tail = tokenizer.encode(text[b:], add_special_tokens=False).ids if n_tail else []
@@ -368,21 +378,24 @@ def _broken_tag(text: str, i: int) -> int | None:
     j = i
     while j > 0 and text[j - 1].isspace():
         j -= 1
-    return j - 3 if text.endswith("<br", 0, j) else None
+    if not text.endswith("<br", 0, j):
+        return None
+    return j - 3 if text.startswith((">", "/>"), _SPACES.match(text, i).end()) else None
 
 
 def _cut_before(text: str, n: int) -> int:
-    """The last safe cut at or before n, or 0."""
+    """The last safe cut at or before n, or 0. Scans back in windows that double, each read once."""
     hi, window = n, 256
     while hi > 0:
         lo = max(hi - window, 0)
-        ends = [m.end() for m in _CUT.finditer(text, lo, hi + 1) if m.end() <= hi]
-        if not ends:
-            hi, window = lo, 2 * window
-        elif (broken := _broken_tag(text, ends[-1])) is None:
-            return ends[-1]
-        else:
-            hi = broken  # every cut from there to ends[-1] parts the same tag
+        for end in reversed([m.end() for m in _CUT.finditer(text, lo, hi + 1)]):
+            if end > hi:
+                continue  # past n, or inside a tag found broken below
+            broken = _broken_tag(text, end)
+            if broken is None:
+                return end
+            hi = broken  # every cut from there to `end` parts the same tag
+        hi, window = min(hi, lo), 2 * window
     return 0
 
 
@@ -508,6 +521,9 @@ def train_val_splits(cfg: DataConfig, seed: int,
     it has one, else a stratified, seeded part held out of train (name ""). The `needed` splits (e.g.
     test, for later) must exist too."""
     raw, label_names = load_splits(cfg, ("train", *needed), (cfg.val_split,) if cfg.val_split else ())
+    if cfg.val_split and cfg.val_split not in raw and cfg.val_split != DEFAULT_VAL_SPLIT:
+        raise UsageError(f"data.val_split = '{cfg.val_split}': '{cfg.source}' has no such split; name one it has, "
+                         'or set data.val_split = "" to hold out part of train')
     full = raw["train"]
     if len(full) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")

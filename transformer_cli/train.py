@@ -253,18 +253,13 @@ def _find_resume(out: Path, resume: bool | str) -> Path | None:
     return found[-1]
 
 
-def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool,
-                         val_split: str) -> None:
-    """Refuse settings that differ from the checkpoint's; `val_split` is the split validated on now."""
+def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
     now, saved = cfg.to_dict(), with_legacy_values(saved)
     path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
-    # A run that held out part of train still does if the dataset has no split of the new name.
-    held_out_both = saved["data"]["val_split"] == "" and val_split == ""
 
     def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
         return not (section == "train" and key in RESUME_FREE) and not (
-            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets") and not (
-            held_out_both and (section, key) == ("data", "val_split"))
+            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
 
     diffs = [
         f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
@@ -306,6 +301,9 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if not rt.is_main:
         data = prepare_train_data(cfg.data, tc.seed, tokenizer, needed)
 
+    # The run's config says what it validated on ("" = a part held out of train), whatever the dataset
+    # gains later: resume compares it, and `tfm evaluate --split validation` reads it.
+    cfg = cfg.replace(data={"val_split": data.val_split})
     vocab_size = data.tokenizer.get_vocab_size()
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
     torch.manual_seed(tc.seed + rt.rank)  # dropout streams differ per rank; init is identical
@@ -314,7 +312,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
     if resume_dir is not None:
-        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force, data.val_split)
+        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
     if rt.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -332,10 +330,10 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     return Run(cfg, rt, out, model, engine, optimizer, scaler, data.train, data.val, data.labels, state, ema)
 
 
-def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None, force: bool,
-             val_split: str) -> TrainState:
+def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
+             force: bool) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
-    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force, val_split)
+    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
         # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
