@@ -405,9 +405,7 @@ def _cut_after(text: str, n: int) -> int:
     while (m := _CUT.search(text, start)) is not None:
         if _broken_tag(text, m.end()) is None:
             return m.end()
-        start = m.end()
-        while start < len(text) and text[start].isspace():  # every cut in this run parts the same tag
-            start += 1
+        start = _SPACES.match(text, m.end()).end()  # every cut in this run of whitespace parts the same tag
     return len(text)
 
 

@@ -577,7 +577,6 @@ def validate(run: Run, logger: Logger) -> dict:
 def train(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True) -> dict:
     """Run `tfm train`: returns the metrics that are also written to metrics.json."""
     rt = make_runtime(cfg.train.device, cfg.train.precision)
-    run = None
     try:
         run = setup(cfg, rt, resume, force)
         logger = Logger(run.out, rt, purge_step=run.state.step + 1 if resume else None)
