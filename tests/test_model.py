@@ -8,7 +8,16 @@ from torch import nn
 
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
-from transformer_cli.model import CTransformer, NgramBag, SelfAttention, drop_tokens, dropout, pool, sinusoidal_table
+from transformer_cli.model import (
+    CTransformer,
+    NgramBag,
+    SelfAttention,
+    drop_tokens,
+    dropout,
+    fused_attention,
+    pool,
+    sinusoidal_table,
+)
 
 D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
 LENGTHS = [7, 3, 1, 5]  # real tokens per row; every row keeps at least its [CLS]
@@ -86,6 +95,22 @@ def test_fused_and_explicit_attention_agree_on_outputs_and_gradients(attn_input)
     assert gp_e.keys() == gp_f.keys()
     for name in gp_e:
         assert torch.allclose(gp_e[name], gp_f[name], atol=1e-5), name
+
+
+def test_fused_attention_runs_in_fp32_under_cpu_bf16_autocast():
+    """Autocast would run SDPA in bf16, whose CPU kernel was the slower one; the fused path upcasts."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, N_HEADS, 7, 8, generator=g).bfloat16().requires_grad_(True) for _ in range(3))
+    key_mask = length_mask([7, 4])[:, None, None, :]  # (B, 1, 1, T)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fused_attention(q, k, v, key_mask)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=key_mask)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, want, atol=1e-6, rtol=1e-6)
+    y.sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0  # gradients reach the bf16 projections
+    with torch.no_grad():  # outside autocast the inputs' dtype is kept
+        assert fused_attention(q, k, v, key_mask).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("which", ["explicit", "fused"])

@@ -42,15 +42,34 @@ def test_devices_this_machine_has_and_has_not(monkeypatch):
 
 
 def test_precision_choices_on_the_cpu(monkeypatch):
-    assert resolve_precision("auto", CPU) is None  # fp32: measured fastest here (README, Performance)
     assert resolve_precision("fp32", CPU) is None
     with pytest.raises(UsageError, match="fp16 is not supported on CPU"):
         resolve_precision("fp16", CPU)
+    with pytest.raises(UsageError, match="--precision fp8: unknown precision; use auto, fp32, bf16 or fp16"):
+        resolve_precision("fp8", CPU)
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_precision("auto", CPU) is None  # emulated bf16 would be slower than fp32
     with pytest.raises(UsageError, match="no native bf16"):
         resolve_precision("bf16", CPU)
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
     assert resolve_precision("bf16", CPU) is torch.bfloat16
+    assert resolve_precision("auto", CPU) is torch.bfloat16  # native bf16: faster (README, Performance)
+
+
+@pytest.mark.parametrize(("x86", "avx512_bf16", "amx", "mkldnn_bf16", "native"), [
+    (True, True, False, True, True),  # AVX-512 BF16 (this project's machines)
+    (True, False, True, True, True),  # AMX
+    (True, False, False, True, False),  # AVX-512 without BF16: oneDNN only emulates bf16
+    (True, False, False, False, False),  # AVX2
+    (False, False, False, True, True),  # Arm with BF16
+    (False, False, False, False, False),
+])
+def test_native_bf16_means_bf16_instructions(monkeypatch, x86, avx512_bf16, amx, mkldnn_bf16, native):
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: x86)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: mkldnn_bf16)
+    assert runtime.cpu_has_fast_bf16() is native
 
 
 def test_precision_auto_on_cuda_prefers_bf16(monkeypatch):

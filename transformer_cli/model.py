@@ -34,11 +34,23 @@ class SelfAttention(nn.Module):
         key_mask = mask[:, None, None, :]  # (B, 1, 1, T): padding keys get no attention
         p = self.attn_dropout if self.training else 0.0
         if self.fused:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)
+            y = fused_attention(q, k, v, key_mask, p)
         else:
             y = explicit_attention(q, k, v, key_mask, p)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads merged
         return dropout(self.proj(y), self.dropout, self.training)
+
+
+def fused_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, p: float = 0.0
+) -> torch.Tensor:
+    """F.scaled_dot_product_attention; on the CPU in fp32 even under bf16 autocast (which would run it
+    in bf16): the CPU flash kernel's bf16 backward ran at half its fp32 speed at head sizes 16-32,
+    and its forward no faster (README, Performance)."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=key_mask, dropout_p=p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, dropout_p=p)
 
 
 def explicit_attention(
