@@ -198,9 +198,11 @@ def test_evaluate_json(cli_run, test_rows):
     assert m["num_examples"] == len(test_rows) == sum(map(sum, m["confusion_matrix"]))
     (tn, _), (_, tp) = m["confusion_matrix"]
     assert m["accuracy"] == pytest.approx((tn + tp) / len(test_rows))
-    at_training_end = json.loads((cli_run / "metrics.json").read_text())["test"]  # same model, same split
+    run = json.loads((cli_run / "metrics.json").read_text())
+    at_training_end = run["test"]  # same model, same split, same precision (the run's "auto")
     assert m["confusion_matrix"] == at_training_end["confusion_matrix"]
     assert m["loss"] == pytest.approx(at_training_end["loss"], rel=1e-6)
+    assert m["compute_dtype"] == run["precision"]
 
 
 def test_evaluate_text_report(cli_run):
@@ -246,9 +248,12 @@ def test_predict_with_a_missing_checkpoint_fails_cleanly(tmp_path):
         (lambda ckpt, tmp: ["train", "-o", tmp / "out", "--device", "cuda:x"], "train.device = 'cuda:x'"),
         (lambda ckpt, tmp: ["predict", "-c", ckpt, "--device", "gpu", "text"], "--device gpu: unknown device"),
         (lambda ckpt, tmp: ["evaluate", "-c", ckpt, "--device", "cuda0"], "--device cuda0: unknown device"),
+        (lambda ckpt, tmp: ["predict", "-c", ckpt, "--precision", "fp8", "text"], "--precision fp8: unknown"),
+        (lambda ckpt, tmp: ["evaluate", "-c", ckpt, "--precision", "fp16"], "fp16 is not supported on CPU"),
     ],
     ids=["empty-text", "file-is-dir", "file-missing", "text-and-file", "override-no-section",
-         "override-no-equals", "unknown-key", "invalid-value", "train-device", "predict-device", "evaluate-device"],
+         "override-no-equals", "unknown-key", "invalid-value", "train-device", "predict-device", "evaluate-device",
+         "predict-precision", "evaluate-precision"],
 )
 def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
     assert_fails_cleanly(tfm(*make_args(cli_run, tmp_path)), 2, fragment)

@@ -226,3 +226,41 @@ def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
     assert got["confusion_matrix"] == want["confusion_matrix"]
     assert got["accuracy"] == want["accuracy"] and got["f1"] == want["f1"]
     assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6)
+
+
+def test_inference_precision_follows_the_run_unless_given(trained_dir, tmp_path, monkeypatch):
+    """A run trained in fp32 is read in fp32; any other run in this machine's mixed precision ("auto");
+    --precision overrides both."""
+    import json
+    import shutil
+
+    from transformer_cli import checkpoint as ckpt
+    from transformer_cli import runtime
+
+    auto_dir = tmp_path / "auto"
+    shutil.copytree(trained_dir, auto_dir)
+    config = json.loads((auto_dir / ckpt.CONFIG_FILE).read_text())
+    assert config["train"]["precision"] == "fp32"  # conftest's runs
+    config["train"]["precision"] = "auto"
+    (auto_dir / ckpt.CONFIG_FILE).write_text(json.dumps(config))
+
+    def dtype(model_dir, precision=None):
+        return ev.load_for_inference(model_dir, "cpu", precision)[0].amp_dtype
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
+    assert dtype(trained_dir) is None and dtype(auto_dir) is torch.bfloat16
+    assert dtype(trained_dir, "bf16") is torch.bfloat16 and dtype(auto_dir, "fp32") is None
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: False)
+    assert dtype(auto_dir) is None  # auto on a CPU without native bf16: fp32
+
+
+def test_bf16_evaluation_is_close_to_fp32(trained_dir, monkeypatch):
+    from transformer_cli import runtime
+
+    monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)  # emulated here if need be: slow, same numbers
+    fp32 = ev.evaluate_checkpoint(trained_dir, device="cpu")
+    bf16 = ev.evaluate_checkpoint(trained_dir, device="cpu", precision="bf16")
+    assert (fp32["compute_dtype"], bf16["compute_dtype"]) == ("fp32", "bf16")
+    assert bf16["loss"] != fp32["loss"]  # the matmuls ran in bf16 ...
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2)  # ... within its precision
+    assert abs(bf16["accuracy"] - fp32["accuracy"]) <= 0.02

@@ -74,6 +74,8 @@ def _root(
 
 Ckpt = Annotated[Path, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+InferPrecision = Annotated[str | None, typer.Option(
+    help="auto, fp32, bf16 or fp16; default: fp32 for a run trained in fp32, else auto.", show_default=False)]
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -176,6 +178,7 @@ def predict(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input line: label, score, probabilities.")] = False,
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+    precision: InferPrecision = None,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
 
@@ -183,7 +186,7 @@ def predict(
         inputs = _read_inputs(texts or [], file)
         from transformer_cli.evaluate import predict_texts
 
-        return inputs, predict_texts(checkpoint, inputs, device, batch_size)
+        return inputs, predict_texts(checkpoint, inputs, device, batch_size, precision)
 
     inputs, results = _run(go)
     for text, r in zip(inputs, results):
@@ -212,13 +215,14 @@ def evaluate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
     device: Device = "auto",
     batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
+    precision: InferPrecision = None,
 ) -> None:
     """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
 
     def go():
         from transformer_cli.evaluate import evaluate_checkpoint
 
-        return evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size)
+        return evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
 
     m = _run(go)
     typer.echo(json.dumps(m) if as_json else evaluation_report(m))

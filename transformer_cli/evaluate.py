@@ -161,15 +161,26 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     return logits.softmax(-1).numpy().astype(np.float64)
 
 
-def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto", batch_size: int = 64) -> list[dict]:
-    """[{"label", "score", "probabilities"}] for each text, from a `tfm train` output directory."""
+def load_for_inference(model_dir: str | Path, device: str, precision: str | None):
+    """(runtime, model, config, tokenizer, labels) of a `tfm train` output directory. `precision` None:
+    fp32 for a run trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
     from transformer_cli.checkpoint import load_model_dir
-    from transformer_cli.runtime import make_runtime
+    from transformer_cli.runtime import make_runtime, resolve_precision
 
-    if not texts:
-        raise TfmError("no input texts; pass TEXT arguments or --file PATH (one review per line)")
     rt = make_runtime(device, "fp32")
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    if precision is None:
+        precision = "fp32" if cfg.train.precision == "fp32" else "auto"
+    rt.amp_dtype = resolve_precision(precision, rt.device)
+    return rt, model, cfg, tokenizer, labels
+
+
+def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto", batch_size: int = 64,
+                  precision: str | None = None) -> list[dict]:
+    """[{"label", "score", "probabilities"}] for each text, from a `tfm train` output directory."""
+    if not texts:
+        raise TfmError("no input texts; pass TEXT arguments or --file PATH (one review per line)")
+    rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
     d = cfg.data
     probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size)
     return [
@@ -183,15 +194,13 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
 
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",
-                        max_samples: int | None = None, device: str = "auto", batch_size: int | None = None) -> dict:
+                        max_samples: int | None = None, device: str = "auto", batch_size: int | None = None,
+                        precision: str | None = None) -> dict:
     """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is what
     the run validated on (data.train_val_splits, with its seed): the split its best model was chosen on."""
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_eval_data
-    from transformer_cli.runtime import make_runtime
 
-    rt = make_runtime(device, "fp32")
-    model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
     if data is not None:
         cfg = cfg.replace(data={"source": data})
@@ -202,5 +211,6 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
     enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed)
     prep = time.perf_counter() - t0
     metrics = evaluate_model(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels))
-    metrics.update({"split": split, "data": cfg.data.source, "labels": labels, "data_prep_sec": prep})
+    metrics.update({"split": split, "data": cfg.data.source, "labels": labels, "data_prep_sec": prep,
+                    "compute_dtype": rt.precision})  # not "precision": that is the metric
     return metrics
