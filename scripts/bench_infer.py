@@ -3,7 +3,9 @@
 What it measures
     (i)  For each model (--checkpoint DIR and/or --untrained-config TOML, each repeatable), the path
          `tfm evaluate` takes (transformer_cli.evaluate.evaluate_checkpoint), stage by stage, in
-         this process, fp32, with torch's default threads unless --threads:
+         this process, in the precision `tfm evaluate` picks (--precision; default: fp32 for a run
+         trained in fp32, else "auto": bf16 on a CPU with native bf16), with torch's default threads
+         unless --threads:
            import datasets   once per process (tfm evaluate pays it after loading the model)
            data prep         prepare_eval_data: load the split, fingerprint it, read the encoded
                              split from the cache. Timed twice: the first call encodes if the cache
@@ -11,7 +13,7 @@ What it measures
            model             evaluate_model over the split, median of --repeats passes after one
                              untimed forward of the largest batch; reviews/s, real tokens/s, and
                              the achieved GFLOP/s (analytic count over the padded batches) as a
-                             share of an fp32 torch.mm peak timed between the passes
+                             share of an fp32 torch.mm peak timed between the passes (bf16 runs are not bound by it)
            end to end        reviews / (import datasets + cached data prep + model), i.e. what
                              `tfm evaluate` gives after the model is loaded; checked against the
                              issue's 1000 reviews/s, with the GFLOP/s that rate would need
@@ -19,6 +21,8 @@ What it measures
          (--compare-samples reviews) with each CPU batch budget (transformer_cli.evaluate.
          CPU_TOKENS_PER_THREAD; 0 = no token budget, plain batches of batch_size reviews as before),
          interleaved over --compare-rounds rounds, as speed ratios to the shipped default.
+         --compare-precision adds the other of fp32 and bf16 to that comparison (bf16 on a CPU with
+         native bf16 only), with its accuracy and loss beside the default's.
          --compare-workers adds CPU_WORKERS = 1 to that comparison: one worker whose torch threads
          share each operation, against the default's workers, each running whole batches on its
          share of the threads (on 2 cores: 2 workers of one thread).
@@ -78,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also compare these CPU batch budgets (0 = none) on a subset, interleaved")
     p.add_argument("--compare-workers", action="store_true",
                    help="also compare CPU evaluation with one worker of all threads (CPU_WORKERS = 1), interleaved")
+    p.add_argument("--compare-precision", action="store_true",
+                   help="also compare evaluation in the other of fp32 and bf16, interleaved")
+    p.add_argument("--precision", default=None, help="auto, fp32 or bf16 (default: what tfm evaluate picks)")
     p.add_argument("--compare-samples", type=int, default=1000)
     p.add_argument("--compare-rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
@@ -127,13 +134,10 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     import torch
 
     from transformer_cli import evaluate as ev
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import cache_dir, collate, prepare_eval_data
-    from transformer_cli.runtime import make_runtime
 
-    rt = make_runtime("cpu", "fp32")  # what evaluate_checkpoint runs with here ("auto" = the CPU)
     t0 = bc.now()
-    model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
     load_sec = bc.now() - t0
     cfg = cfg.replace(data={"source": args.data})
     entries = set(cache_dir(cfg.data).glob("encoded-*.npz"))
@@ -150,7 +154,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), int(enc.lengths[i].max())) for i in batches)
     padded = sum(len(i) * int(enc.lengths[i].max()) for i in batches)
     real_tokens = int(enc.lengths.sum())
-    with torch.inference_mode():  # untimed warm-up on the largest batch (oneDNN primitives, allocator)
+    with torch.inference_mode(), rt.autocast():  # untimed warm-up on the largest batch (oneDNN, allocator)
         model(*rt.tensors(*collate(enc, max(batches, key=lambda i: len(i) * enc.lengths[i].max())))[:2])
     peak, times = bc.MatmulPeak(), []
     for _ in range(args.repeats):
@@ -180,7 +184,8 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     print(f"-- (i) evaluate {model_dir}: d={m.d_model}, {m.n_heads} heads, {m.n_layers} layers, {m.norm}-norm, "
           f"{m.pooling} pooling, {params:,} params; {n} {args.split} reviews, {real_tokens:,} real tokens, "
           f"{len(batches)} batches (<= {batch_size} reviews, <= {ev.cpu_batch_tokens()} padded tokens), "
-          f"{100 * (1 - real_tokens / padded):.1f}% padding, {describe_setting()}; load {load_sec:.2f} s")
+          f"{100 * (1 - real_tokens / padded):.1f}% padding, {describe_setting()}, {rt.precision}; "
+          f"load {load_sec:.2f} s")
     bc.print_table(rows, [("stage", "stage"), ("sec", "seconds"), ("reviews_per_sec", "reviews/s"),
                           ("tokens_per_sec", "tokens/s"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
                    digits={"sec": 2, "gflops": 1})
@@ -190,9 +195,9 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     check = bc.check(f"reviews/s end to end after load, {model_dir}", n / e2e_sec, TARGET_REVIEWS_PER_SEC)
     result = {"model_dir": str(model_dir), "reviews": n, "batches": len(batches), "batch_size": batch_size,
               "real_tokens": real_tokens, "padded_tokens": padded, "flops": flops, "params": params,
-              "load_sec": load_sec, "model_sec_all": times, "matmul_peak": peak.as_dict(),
+              "precision": rt.precision, "load_sec": load_sec, "model_sec_all": times, "matmul_peak": peak.as_dict(),
               "accuracy": metrics["accuracy"], "rows": rows, "target": check}
-    if args.compare_tokens_per_thread or args.compare_workers:
+    if args.compare_tokens_per_thread or args.compare_workers or args.compare_precision:
         result["compare"] = compare_settings(model, enc, rt, batch_size, len(labels), args)
     if args.compile:
         result["compile"] = compare_compile(model, enc, rt, batch_size, len(labels), args)
@@ -205,6 +210,7 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
     (the shipped default first), interleaved over --compare-rounds rounds."""
     from transformer_cli import evaluate as ev
     from transformer_cli.data import sample_indices
+    from transformer_cli.runtime import cpu_has_fast_bf16
 
     changes = [{}]
     for v in [int(v) for v in (args.compare_tokens_per_thread or "").split(",") if v]:
@@ -212,18 +218,22 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
             changes.append({"CPU_TOKENS_PER_THREAD": v})
     if args.compare_workers and ev.CPU_WORKERS != 1:
         changes.append({"CPU_WORKERS": 1})
-    labels = []
+    if args.compare_precision and (rt.amp_dtype is not None or cpu_has_fast_bf16()):
+        changes.append({"precision": "fp32" if rt.amp_dtype is not None else "bf16"})
+    labels, runtimes = [], []
     for change in changes:
+        run_rt = with_precision(rt, change.get("precision"))
+        runtimes.append(run_rt)
         with evaluate_setting(change):
-            labels.append(("default: " if not change else "") + describe_setting())
+            labels.append(("default: " if not change else "") + f"{describe_setting()}, {run_rt.precision}")
     part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
     times: list[list[float]] = [[] for _ in changes]
     results: list[dict] = [{} for _ in changes]
     for _ in range(args.compare_rounds):
-        for change, ts, result in zip(changes, times, results):
+        for change, run_rt, ts, result in zip(changes, runtimes, times, results):
             with evaluate_setting(change):
                 t0 = bc.now()
-                result.update(ev.evaluate_model(model, part, rt, batch_size, num_labels))
+                result.update(ev.evaluate_model(model, part, run_rt, batch_size, num_labels))
                 ts.append(bc.now() - t0)
     rows = [{"setting": label, "median_sec": statistics.median(ts),
              "reviews_per_sec": len(part) / statistics.median(ts),
@@ -237,11 +247,22 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
     return rows
 
 
+def with_precision(rt, precision: str | None):
+    """`rt` in another precision (None: as it is)."""
+    import dataclasses
+
+    from transformer_cli.runtime import resolve_precision
+
+    return rt if precision is None else dataclasses.replace(rt, amp_dtype=resolve_precision(precision, rt.device))
+
+
 @contextlib.contextmanager
 def evaluate_setting(change: dict):
-    """transformer_cli.evaluate's module settings changed inside, restored after."""
+    """transformer_cli.evaluate's module settings changed inside, restored after ("precision" is
+    the runtime's, not a module setting)."""
     from transformer_cli import evaluate as ev
 
+    change = {name: value for name, value in change.items() if name != "precision"}
     before = {name: getattr(ev, name) for name in change}
     for name, value in change.items():
         setattr(ev, name, value)

@@ -3,7 +3,9 @@
 What it measures
     One process times full training steps (forward, backward, gradient clipping at 1.0, optimizer
     step, loss.item()) of these variants on the SAME batches, all with the same sizes (default: the
-    reference notebook's emb 128, 8 heads, depth 3, ff 4x, vocab 50k, T=256, batch 32) and fp32:
+    reference notebook's emb 128, 8 heads, depth 3, ff 4x, vocab 50k, T=256, batch 32); (b) and
+    (c) in fp32, (a) in `tfm train`'s default precision here (train.precision = "auto": bf16
+    autocast on a CPU with native bf16, with attention in fp32; else fp32), printed per row:
 
       (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped as
            transformer_cli.train.fit steps it on a CPU (transformer_cli.optim.make_optimizer: fused
@@ -20,8 +22,9 @@ What it measures
            same embeddings, masked max pooling and a linear head; Adam.
     Optional (--variants): (a) with suffixes, each changing one thing, e.g. a_ngrams_lazy:
       _explicit  model.attention = "explicit" (written-out softmax(QK^T)V instead of SDPA)
-      _bf16      bf16 autocast (on by default only on a CPU with native bf16; emulated bf16 is ~16x
-                 slower and `tfm train` refuses it)
+      _bf16      bf16 autocast (the default only on a CPU with native bf16: AVX-512 BF16 or AMX; on
+                 others bf16 is emulated, slower than fp32, and `tfm train` refuses it)
+      _fp32      fp32, autocast off (the default on CPUs without native bf16)
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
       _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
@@ -82,7 +85,7 @@ VARIANTS = {
     "b": "(b) naive former-style",
     "c": "(c) nn.TransformerEncoder",
 }
-SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "ngrams": "+ n-gram path",
+SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "fp32": "fp32", "ngrams": "+ n-gram path",
             "lazy": "lazy embeddings", "foreach": "foreach AdamW", "compile": "torch.compile"}
 
 
@@ -97,7 +100,7 @@ def variant_name(key: str) -> str | None:
         return VARIANTS[key]
     base, *mods = key.split("_")
     known = all(m in SUFFIXES or heads_of(m) for m in mods) and sum(heads_of(m) is not None for m in mods) <= 1
-    if base != "a" or not mods or not known or len(set(mods)) < len(mods):
+    if base != "a" or not mods or not known or len(set(mods)) < len(mods) or {"bf16", "fp32"} <= set(mods):
         return None
 
     def name(m: str) -> str:
@@ -111,7 +114,7 @@ def variant_name(key: str) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from transformer_cli.runtime import cpu_has_fast_bf16
 
-    default_variants = "a,b,c" + (",a_bf16" if cpu_has_fast_bf16() else "")
+    default_variants = "a,b,c" + (",a_fp32" if cpu_has_fast_bf16() else "")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["synthetic", "imdb", "both"], default="both")
     p.add_argument("--d-model", type=int, default=128)
@@ -244,6 +247,7 @@ class Variant:
     step: Callable[[Batch], float]  # one training step; returns the loss
     params: int
     heads: int  # attention heads of the model it steps
+    precision: str = "fp32"
     times: list[float] = field(default_factory=list)
     first_sec: float = 0.0  # the first step's seconds (untimed): compilation, allocator warm-up
     note: str = ""
@@ -254,7 +258,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
     from transformer_cli.optim import clip_grad_norm_, make_optimizer
-    from transformer_cli.runtime import Runtime
+    from transformer_cli.runtime import Runtime, resolve_precision
 
     mods = set(key.split("_")[1:])
     heads = next((h for m in mods if (h := heads_of(m))), args.heads)
@@ -263,7 +267,9 @@ def ours(key: str, args, vocab: int) -> Variant:
                      ngram_buckets=ModelConfig.ngram_buckets if "ngrams" in mods else 0,
                      lazy_embeddings="lazy" in mods)
     tc = TrainConfig()
-    rt = Runtime(torch.device("cpu"), torch.bfloat16 if "bf16" in mods else None)
+    cpu = torch.device("cpu")
+    precision = "bf16" if "bf16" in mods else "fp32" if "fp32" in mods else "auto"  # auto: as tfm train
+    rt = Runtime(cpu, resolve_precision(precision, cpu))
     model = CTransformer(mc, vocab, args.seq_len).train()
     opt = make_optimizer(model, tc, torch.device("cpu"), fused="foreach" not in mods)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -279,7 +285,7 @@ def ours(key: str, args, vocab: int) -> Variant:
         opt.zero_grad(set_to_none=True)
         return value
 
-    return Variant(key, step, model.num_params(), model.encoder.blocks[0].attn.n_heads)
+    return Variant(key, step, model.num_params(), model.encoder.blocks[0].attn.n_heads, rt.precision)
 
 
 def adam_reference(key: str, model: nn.Module, loss_fn: Callable, heads: int) -> Variant:
@@ -375,7 +381,8 @@ def run_mode(mode: str, args) -> dict:
     rows = []
     for v in variants:
         total = sum(v.times)
-        rows.append({"key": v.key, "variant": variant_name(v.key), "params": v.params, "heads": v.heads,
+        rows.append({"key": v.key, "variant": variant_name(v.key), "precision": v.precision, "params": v.params,
+                     "heads": v.heads,
                      "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
                      "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
                      "gflops": flops / total / 1e9, "pct_peak": 100 * flops / total / 1e9 / peak.gflops,
@@ -385,8 +392,8 @@ def run_mode(mode: str, args) -> dict:
         r["vs_b"] = r["samples_per_sec"] / ref["samples_per_sec"] if ref else None
 
     print(f"-- {mode}: B={args.batch_size}, {shape}; d={args.d_model}, {args.heads} heads, {args.layers} layers, "
-          f"ff {args.ff_mult}x, vocab {vocab}; {args.steps} timed steps after {args.warmup} warm-up, fp32 unless noted")
-    bc.print_table(rows, [("variant", "variant"), ("ms_median", "ms/step"), ("ms_min", "min ms"),
+          f"ff {args.ff_mult}x, vocab {vocab}; {args.steps} timed steps after {args.warmup} warm-up")
+    bc.print_table(rows, [("variant", "variant"), ("precision", "precision"), ("ms_median", "ms/step"), ("ms_min", "min ms"),
                           ("samples_per_sec", "samples/s"), ("tokens_per_sec", "tokens/s"), ("vs_b", "vs (b)"),
                           ("gflops", "GFLOP/s"), ("pct_peak", "% peak")], digits={"vs_b": 2, "gflops": 2})
     for r in rows:

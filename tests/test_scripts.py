@@ -5,7 +5,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, needs_cxx
+
+from transformer_cli.runtime import Runtime, resolve_precision
 
 SHRINK = ["train.max_steps=3", "data.max_length=64", "data.vocab_size=500", "train.eval_batch_size=64"]
 
@@ -71,41 +74,54 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
            "--heads", "2", "--layers", "1", "--seq-len", "16", "--vocab", "100", "--batch-size", "4", "--steps", "2",
-           "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,b", "--json", str(out)]
+           "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,a_fp32,b", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["modes"]["synthetic"]["rows"]
     assert [r["variant"] for r in rows] == ["(a) ours", "(a) ours + n-gram path, lazy embeddings",
-                                            "(a) ours, foreach AdamW", "(a) ours, 1 head", "(b) naive former-style"]
-    assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2]
+                                            "(a) ours, foreach AdamW", "(a) ours, 1 head", "(a) ours, fp32",
+                                            "(b) naive former-style"]
+    assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2, 2]
+    auto = Runtime(torch.device("cpu"), resolve_precision("auto", torch.device("cpu"))).precision  # as tfm train
+    assert [r["precision"] for r in rows] == [auto] * 4 + ["fp32", "fp32"]
     assert not any(r["note"] for r in rows)  # a note means a non-finite loss
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
     bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr
+    both = subprocess.run([*cmd[:-4], "--variants", "a_bf16_fp32"], capture_output=True, text=True, timeout=600)
+    assert both.returncode == 2 and "unknown variant(s) ['a_bf16_fp32']" in both.stderr
     odd = subprocess.run([*cmd[:-4], "--variants", "a_h3"], capture_output=True, text=True, timeout=600)
     assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
 def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_dir, tmp_path):
+    from transformer_cli.runtime import cpu_has_fast_bf16
+
     out = tmp_path / "infer.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
-           str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers",
+           str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers", "--compare-precision",
            "--compare-tokens-per-thread", "0,4096,64", "--compare-samples", "120", "--compare-rounds", "1",
            "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (result,) = json.loads(out.read_text())["throughput"]
+    assert result["precision"] == "fp32"  # as tfm evaluate reads a run trained in fp32
     rows = result["compare"]
+    bf16 = ["<= 4096 tokens/thread, 2 worker(s) of 1 thread(s), bf16"] if cpu_has_fast_bf16() else []
     assert [r["setting"] for r in rows] == [
-        "default: <= 4096 tokens/thread, 2 worker(s) of 1 thread(s)",  # 4096 is the default: not repeated
-        "batches of batch_size reviews, 2 worker(s) of 1 thread(s)",
-        "<= 64 tokens/thread, 2 worker(s) of 1 thread(s)",
-        "<= 4096 tokens/thread, 1 worker(s) of 2 thread(s)",
+        "default: <= 4096 tokens/thread, 2 worker(s) of 1 thread(s), fp32",  # 4096 is the default: not repeated
+        "batches of batch_size reviews, 2 worker(s) of 1 thread(s), fp32",
+        "<= 64 tokens/thread, 2 worker(s) of 1 thread(s), fp32",
+        "<= 4096 tokens/thread, 1 worker(s) of 2 thread(s), fp32",
+        *bf16,
     ]
-    for row in rows:  # every setting computes the same predictions; only the speed may differ
+    for row in rows[:4]:  # every fp32 setting computes the same predictions; only the speed may differ
         assert row["accuracy"] == rows[0]["accuracy"] and row["loss"] == pytest.approx(rows[0]["loss"], abs=1e-6)
+    for row in rows:
         assert row["reviews_per_sec"] == pytest.approx(120 / row["median_sec"])
-    assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s); load" in done.stdout
+    if bf16:  # bf16 computes them within its precision
+        assert rows[-1]["loss"] != rows[0]["loss"] and rows[-1]["loss"] == pytest.approx(rows[0]["loss"], rel=2e-2)
+    assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s), fp32; load" in done.stdout
 
 
 @needs_cxx
