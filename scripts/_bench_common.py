@@ -81,17 +81,19 @@ def set_threads(n: int | None) -> None:
 
 
 class MatmulPeak:
-    """GFLOP/s of a square fp32 torch.mm with this process's threads: the ceiling a run's figures are
-    compared with. Call `sample()` between the measured steps (interleaved, so that it sees the same
-    contention from other jobs as they do); `gflops` is the median. n doubles from 256 up to
-    `max_n`, but not to a size whose product would take over a second."""
+    """GFLOP/s of a square torch.mm (fp32, or `dtype`) with this process's threads: the ceiling a
+    run's figures are compared with. Call `sample()` between the measured steps (interleaved, so
+    that it sees the same contention from other jobs as they do); `gflops` is the median. n doubles
+    from 256 up to `max_n`, but not to a size whose product would take over a second."""
 
-    def __init__(self, max_n: int = 2048):
+    def __init__(self, max_n: int = 2048, dtype=None):
         import torch
 
+        self.dtype = dtype or torch.float32
         n = 256
         while True:
-            self.a, self.b, self.out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
+            self.a, self.b = (torch.randn(n, n).to(self.dtype) for _ in range(2))
+            self.out = torch.empty(n, n, dtype=self.dtype)
             torch.mm(self.a, self.b, out=self.out)  # warm-up: primitive creation, page faults
             t0 = now()
             torch.mm(self.a, self.b, out=self.out)
@@ -113,10 +115,12 @@ class MatmulPeak:
         return 2 * self.n**3 / statistics.median(self.times) / 1e9
 
     def describe(self) -> str:
-        return f"fp32 torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
+        name = str(self.dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+        return f"{name} torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
 
     def as_dict(self) -> dict:
-        return {"n": self.n, "gflops": self.gflops, "samples": len(self.times), "sec_all": self.times}
+        return {"dtype": str(self.dtype), "n": self.n, "gflops": self.gflops, "samples": len(self.times),
+                "sec_all": self.times}
 
 
 def forward_flops(d_model: int, n_layers: int, ff_mult: int, batch: int, seq: int, num_classes: int = 2) -> float:

@@ -13,7 +13,7 @@ What it measures
            model             evaluate_model over the split, median of --repeats passes after one
                              untimed forward of the largest batch; reviews/s, real tokens/s, and
                              the achieved GFLOP/s (analytic count over the padded batches) as a
-                             share of an fp32 torch.mm peak timed between the passes (bf16 runs are not bound by it)
+                             share of a torch.mm peak in the same precision timed between the passes
            end to end        reviews / (import datasets + cached data prep + model), i.e. what
                              `tfm evaluate` gives after the model is loaded; checked against the
                              issue's 1000 reviews/s, with the GFLOP/s that rate would need
@@ -156,7 +156,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     real_tokens = int(enc.lengths.sum())
     with torch.inference_mode(), rt.autocast():  # untimed warm-up on the largest batch (oneDNN, allocator)
         model(*rt.tensors(*collate(enc, max(batches, key=lambda i: len(i) * enc.lengths[i].max())))[:2])
-    peak, times = bc.MatmulPeak(), []
+    peak, times = bc.MatmulPeak(dtype=rt.amp_dtype), []  # in the precision the matmuls run in
     for _ in range(args.repeats):
         t0 = bc.now()
         metrics = ev.evaluate_model(model, enc, rt, batch_size, len(labels))

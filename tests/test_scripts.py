@@ -77,13 +77,19 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
            "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,a_fp32,b", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())["modes"]["synthetic"]["rows"]
+    mode = json.loads(out.read_text())["modes"]["synthetic"]
+    rows = mode["rows"]
     assert [r["variant"] for r in rows] == ["(a) ours", "(a) ours + n-gram path, lazy embeddings",
                                             "(a) ours, foreach AdamW", "(a) ours, 1 head", "(a) ours, fp32",
                                             "(b) naive former-style"]
     assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2, 2]
     auto = Runtime(torch.device("cpu"), resolve_precision("auto", torch.device("cpu"))).precision  # as tfm train
     assert [r["precision"] for r in rows] == [auto] * 4 + ["fp32", "fp32"]
+    peaks = mode["matmul_peaks"]  # each row's % peak is of the matmul peak in its own precision
+    assert set(peaks) == {"fp32", auto} and {p["dtype"] for p in peaks.values()} == {f"torch.{d}" for d in (
+        "float32", "bfloat16" if auto == "bf16" else "float32")}
+    for r in rows:
+        assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / peaks[r["precision"]]["gflops"])
     assert not any(r["note"] for r in rows)  # a note means a non-finite loss
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
     bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
