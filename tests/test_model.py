@@ -358,6 +358,22 @@ def test_cpu_dropout_of_bf16_keeps_the_dtype_and_scale():
     torch.testing.assert_close(y[kept].float(), x[kept].float() / 0.9, rtol=8e-3, atol=0)  # bf16 has 8 bits
 
 
+@pytest.mark.parametrize("shape", [(5, 7, 3), (1,), (2, 3)])
+def test_cpu_dropout_masks_any_shape_with_every_element_drawn(shape):
+    """numel need not be a multiple of 4 (the int16s are drawn 4 to an int64)."""
+    torch.manual_seed(0)
+    x = torch.ones(shape)
+    rates = torch.stack([dropout(x, 0.5, training=True) == 0 for _ in range(400)]).float().mean(0)
+    assert ((rates - 0.5).abs() < 0.15).all()  # every position dropped about half the time (6 sigma)
+
+
+def test_cpu_dropout_near_1_rounds_to_the_largest_p_below_1():
+    torch.manual_seed(0)
+    y = dropout(torch.ones(2**22), 0.99999, training=True)  # p = 65535 / 65536: 64 survivors expected
+    kept = y[y != 0]
+    assert 20 < len(kept) < 130 and (kept == 65536).all()
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_cpu_dropout_behaves_as_f_dropout(p):
     x = torch.randn(256, 1024).abs_().add_(0.5).requires_grad_()  # no zeros: a zero output means dropped
@@ -365,10 +381,12 @@ def test_cpu_dropout_behaves_as_f_dropout(p):
     torch.manual_seed(0)
     y = dropout(x, p, training=True)
     kept = y != 0
-    torch.testing.assert_close(y[kept], x[kept] / (1 - p))  # survivors scaled by 1 / (1 - p), as F.dropout does
+    p16 = round(p * 65536) / 65536  # the mask's p, a multiple of 2^-16
+    assert abs(p16 - p) <= 2**-17
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p16))  # survivors scaled by 1 / (1 - p), as F.dropout does
     n = x.numel()
     assert abs((~kept).float().mean().item() - p) < 4 * math.sqrt(p * (1 - p) / n)
     y.sum().backward()  # the gradient passes the same mask and scale
-    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p16))
     torch.manual_seed(1)
     assert not torch.equal(dropout(x, p, training=True) != 0, kept)  # a fresh mask per call

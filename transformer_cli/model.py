@@ -64,11 +64,16 @@ def explicit_attention(
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """F.dropout; on the CPU with its mask drawn by torch.rand, twice as fast as bernoulli_ there."""
+    """F.dropout; on the CPU its mask compares 16 random bits per element, drawn 64 at a time: about
+    half of torch.rand's time there, and a third of bernoulli_'s. p is rounded to a multiple of 2^-16,
+    and survivors are scaled by 1 / (1 - that p)."""
     if not training or p == 0.0 or x.device.type != "cpu":
         return F.dropout(x, p, training)
-    keep = torch.rand(x.shape, device=x.device) >= p  # drawn in fp32 whatever x's dtype
-    return x * keep.to(x.dtype).mul_(1.0 / (1.0 - p))
+    n = x.numel()
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)  # every bit uniform
+    dropped = min(round(p * 65536), 65535)  # of the 65536 values of 16 bits
+    keep = bits.view(torch.int16)[:n].view(x.shape) >= dropped - 32768  # (..): as x
+    return x * keep.to(x.dtype).mul_(65536 / (65536 - dropped))
 
 
 class Block(nn.Module):
