@@ -154,8 +154,9 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), int(enc.lengths[i].max())) for i in batches)
     padded = sum(len(i) * int(enc.lengths[i].max()) for i in batches)
     real_tokens = int(enc.lengths.sum())
+    largest = max(batches, key=lambda i: len(i) * enc.lengths[i].max())
     with torch.inference_mode(), rt.autocast():  # untimed warm-up on the largest batch (oneDNN, allocator)
-        model(*rt.tensors(*collate(enc, max(batches, key=lambda i: len(i) * enc.lengths[i].max())))[:2])
+        model(*rt.tensors(*collate(enc, largest))[:2])
     peak, times = bc.MatmulPeak(dtype=rt.amp_dtype), []  # in the precision the matmuls run in
     for _ in range(args.repeats):
         t0 = bc.now()

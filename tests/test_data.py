@@ -14,6 +14,7 @@ from transformer_cli.config import DataConfig
 from transformer_cli.data import (
     CLS_ID,
     PAD_ID,
+    PAD_MULTIPLE,
     BucketSampler,
     Encoded,
     collate,
@@ -323,6 +324,17 @@ def test_collate_pads_with_pad_id_and_masks_real_tokens():
         assert (ids[out_row, n:] == PAD_ID).all()
         assert mask[out_row].tolist() == [True] * n + [False] * (5 - n)
     assert labels.tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize(("longest", "split_longest", "width"), [
+    (5, 64, 32), (32, 64, 32), (33, 64, 64), (33, 40, 40), (40, 40, 40), (2, 2, 2), (65, 1024, 96)])
+def test_collate_rounds_the_width_up_to_a_multiple_of_32_within_the_splits_longest(longest, split_longest, width):
+    rows = [[CLS_ID] + [7] * (longest - 1), [CLS_ID, 5], [CLS_ID] + [9] * (split_longest - 1)]  # row 2: not in the batch
+    enc = Encoded(np.array([t for r in rows for t in r], dtype=np.int32), np.cumsum([0, *map(len, rows)]),
+                  np.array([0, 1, 0]))
+    ids, mask, _ = collate(enc, np.array([0, 1]))
+    assert PAD_MULTIPLE == 32 and ids.shape == mask.shape == (2, width)
+    assert mask.sum(1).tolist() == [longest, 2] and (ids[~mask] == PAD_ID).all()
 
 
 # --------------------------------------------------------------------------- loading

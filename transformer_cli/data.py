@@ -484,10 +484,20 @@ class BucketSampler:
         return len(self.batches(0))
 
 
+PAD_MULTIPLE = 32  # batch widths are rounded up to a multiple of this (see collate)
+
+
 def collate(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ids (B, T) int64 padded with [PAD], mask (B, T) bool, labels (B,))."""
+    """(ids (B, T) int64 padded with [PAD], mask (B, T) bool, labels (B,)).
+
+    T is the batch's longest review rounded up to a multiple of PAD_MULTIPLE, but no longer than
+    the longest review of `enc` (so never past the model's max_length): a few batch shapes instead
+    of one per length keep the allocator's and oneDNN's caches warm (default model, 150 training
+    steps on real batches: 1.1-1.25x faster, 0.2-0.6 GB less peak memory; README, Performance)."""
     lengths = enc.lengths[idx]
-    ids = np.full((len(idx), int(lengths.max())), PAD_ID, dtype=np.int64)
+    width = int(lengths.max())
+    width = max(width, min(-(-width // PAD_MULTIPLE) * PAD_MULTIPLE, int(enc.lengths.max())))
+    ids = np.full((len(idx), width), PAD_ID, dtype=np.int64)
     for row, (i, n) in enumerate(zip(idx, lengths)):
         ids[row, :n] = enc.ids[enc.offsets[i] : enc.offsets[i] + n]
     mask = np.arange(ids.shape[1])[None, :] < lengths[:, None]
