@@ -134,7 +134,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     import torch
 
     from transformer_cli import evaluate as ev
-    from transformer_cli.data import cache_dir, collate, prepare_eval_data
+    from transformer_cli.data import batch_width, cache_dir, collate, prepare_eval_data
 
     t0 = bc.now()
     rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
@@ -151,8 +151,9 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
 
     m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
     batches = ev._batches(enc, batch_size, rt)
-    flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), int(enc.lengths[i].max())) for i in batches)
-    padded = sum(len(i) * int(enc.lengths[i].max()) for i in batches)
+    widths = [batch_width(enc, i) for i in batches]  # as collate pads them
+    flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), w) for i, w in zip(batches, widths))
+    padded = sum(len(i) * w for i, w in zip(batches, widths))
     real_tokens = int(enc.lengths.sum())
     largest = max(batches, key=lambda i: len(i) * enc.lengths[i].max())
     with torch.inference_mode(), rt.autocast():  # untimed warm-up on the largest batch (oneDNN, allocator)
