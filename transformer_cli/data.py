@@ -7,6 +7,7 @@ Heavy libraries (`datasets`) are imported only where a dataset is actually loade
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -62,8 +63,8 @@ class Encoded:
     def __len__(self) -> int:
         return len(self.labels)
 
-    @property
-    def lengths(self) -> np.ndarray:
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:  # computed once: collate reads it for every batch
         return np.diff(self.offsets)
 
     def subset(self, idx: np.ndarray) -> Encoded:
