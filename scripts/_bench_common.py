@@ -123,6 +123,45 @@ class MatmulPeak:
                 "sec_all": self.times}
 
 
+# The op groups of a profile, by the first match in an op's name; "other" takes the rest.
+OP_GROUPS = {
+    "attention kernels": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),  # (b), _explicit: bmm, softmax
+    "linear-layer matmuls": ("aten::mm", "aten::addmm"),
+    "casts and copies": ("aten::copy_", "aten::_to_copy"),
+    "optimizer": ("adam",),
+}
+
+
+def op_group(name: str) -> str:
+    return next((g for g, keys in OP_GROUPS.items() if any(k in name.lower() for k in keys)), "other")
+
+
+def profile_ops(run, title: str, per: int, unit: str, top: int = 8) -> dict:
+    """Runs `run()` under torch.profiler and prints where its ops' self CPU time went: the share of
+    each group (OP_GROUPS) and the `top` ops, in ms per `unit` (`per` units in the run). Self time
+    of the ops in every thread; an op's own intra-op threads are not counted twice."""
+    import torch
+
+    try:  # without it, ops in threads other than this one (tfm evaluate's CPU workers) go unseen
+        extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):  # a torch before the option: this thread's ops only
+        extra = {}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], **extra) as prof:
+        run()
+    ops = [(e.key, e.self_cpu_time_total) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(t for _, t in ops)
+    groups = {g: 0.0 for g in [*OP_GROUPS, "other"]}
+    for name, t in ops:
+        groups[op_group(name)] += 100 * t / total
+    top_ops = [{"op": name, "group": op_group(name), "pct": 100 * t / total, f"ms_per_{unit}": t / 1e3 / per}
+               for name, t in sorted(ops, key=lambda o: -o[1])[:top]]
+    print(f"   {title}: share of self CPU time ({total / 1e3 / per:.1f} ms a {unit}): "
+          + ", ".join(f"{g} {pct:.1f}%" for g, pct in groups.items()))
+    print_table(top_ops, [("op", "op"), ("group", "group"), (f"ms_per_{unit}", f"ms/{unit}"), ("pct", "%")],
+                digits={f"ms_per_{unit}": 2})
+    return {f"self_cpu_ms_per_{unit}": total / 1e3 / per, "groups_pct": groups, "top": top_ops}
+
+
 def forward_flops(d_model: int, n_layers: int, ff_mult: int, batch: int, seq: int, num_classes: int = 2) -> float:
     """FLOPs of one forward pass of the encoder classifier over a padded (batch, seq) batch.
 

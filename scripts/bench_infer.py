@@ -30,6 +30,10 @@ What it measures
          (inductor, dynamic shapes, weights frozen as constants): the first pass, which compiles,
          and the median of --repeats more, against the eager passes above; and how far its logits
          are from eager's. `tfm evaluate` itself runs eager.
+         --profile runs evaluate_model once more on the --compare-samples subset under torch.profiler
+         (untimed) and prints the share of the ops' self CPU time (all workers' threads) taken by
+         attention kernels, the linear layers' matmuls, casts and copies, and the rest, with the
+         ops that took the most (_bench_common.profile_ops, as bench_train.py --profile).
     (ii) Cold start of fresh subprocesses (the first model), median of --runs, interleaved, after one
          untimed round (so that files are in the page cache): python -c pass, python -c "import
          torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
@@ -88,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-samples", type=int, default=1000)
     p.add_argument("--compare-rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="also time evaluate_model under torch.compile")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile evaluate_model on --compare-samples reviews: where its time went")
     p.add_argument("--threads", type=int, default=None, help="torch threads in this process")
     p.add_argument("--runs", type=int, default=5, help="timed runs of each cold-start command (median)")
     p.add_argument("--text", default="A wonderful film: the acting was superb and I loved every minute of it.")
@@ -203,15 +209,25 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
         result["compare"] = compare_settings(model, enc, rt, batch_size, len(labels), args)
     if args.compile:
         result["compile"] = compare_compile(model, enc, rt, batch_size, len(labels), args)
+    if args.profile:
+        part = compare_subset(enc, args)
+        result["profile"] = bc.profile_ops(lambda: ev.evaluate_model(model, part, rt, batch_size, len(labels)),
+                                           f"profile evaluate_model, {len(part)} reviews", per=len(part), unit="review")
     print()
     return result
+
+
+def compare_subset(enc, args):
+    """The seeded --compare-samples reviews that comparisons and the profile run on."""
+    from transformer_cli.data import sample_indices
+
+    return enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
 
 
 def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> list[dict]:
     """evaluate_model on a seeded subset under each setting of transformer_cli.evaluate's CPU batching
     (the shipped default first), interleaved over --compare-rounds rounds."""
     from transformer_cli import evaluate as ev
-    from transformer_cli.data import sample_indices
     from transformer_cli.runtime import cpu_has_fast_bf16
 
     changes = [{}]
@@ -228,7 +244,7 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
         runtimes.append(run_rt)
         with evaluate_setting(change):
             labels.append(("default: " if not change else "") + f"{describe_setting()}, {run_rt.precision}")
-    part = enc.subset(sample_indices(np.arange(len(enc)), args.compare_samples, seed=0))
+    part = compare_subset(enc, args)
     times: list[list[float]] = [[] for _ in changes]
     results: list[dict] = [{} for _ in changes]
     for _ in range(args.compare_rounds):

@@ -61,9 +61,18 @@ How to read the table
     target      the issue's targets: (a) >= 5x (b) on synthetic T=256 (below 3x is not done), and
                 (a) samples/s on real bucketed batches >= on synthetic ones.
 
+Profiles (--profile a,b)
+    After timing, each listed variant runs the timed batches once more under torch.profiler
+    (untimed). Printed: the share of the ops' self CPU time taken by attention kernels (SDPA, or
+    bmm and softmax), the linear layers' matmuls (mm, addmm), casts and copies, the optimizer (its
+    fused kernel; the for-loop Adam of (b) and (c) runs elementwise ops, counted as the rest) and
+    the rest, then the ops that took the most. An op's time is wall time in the thread that called
+    it; its intra-op threads are not counted again. The profiler adds overhead, so read shares.
+
 Examples
     python scripts/bench_train.py --json /tmp/bench_train.json      # the full run, both modes
     python scripts/bench_train.py --mode synthetic --steps 2 --warmup 1
+    python scripts/bench_train.py --mode synthetic --variants a,b --steps 10 --profile a,b
     python scripts/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
 """
 
@@ -133,9 +142,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
     p.add_argument("--max-train-samples", type=int, default=None, help="imdb mode: use this many training reviews")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--profile", default="", metavar="KEYS",
+                   help="comma-separated variants (e.g. a,b) to profile after timing: where their step time went")
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.profile = [v.strip() for v in args.profile.split(",") if v.strip()]
+    if missing := [v for v in args.profile if v not in args.variants]:
+        p.error(f"--profile {missing}: not among --variants {args.variants}")
     if unknown := [v for v in args.variants if variant_name(v) is None]:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or a_ plus suffixes {list(SUFFIXES)}, hN")
     heads = {args.heads} | {h for v in args.variants for m in v.split("_")[1:] if (h := heads_of(m))}
@@ -411,9 +425,22 @@ def run_mode(mode: str, args) -> dict:
         for name, p in peaks.items():
             print(f"   ceiling: {name} peak / (b)'s GFLOP/s = {p.gflops / ref['gflops']:.2f}x (b): no {name} variant "
                   "doing these FLOPs (padding included) can be faster than that")
+    for v in variants:
+        if v.key in args.profile:
+            next(r for r in rows if r["key"] == v.key)["profile"] = profile(v, timed)
     print()
     return {"shape": shape, "timed_samples": samples, "timed_real_tokens": tokens, "flops": flops,
             "matmul_peak": peak.as_dict(), "matmul_peaks": {k: p.as_dict() for k, p in peaks.items()}, "rows": rows}
+
+
+def profile(v: Variant, batches: list[Batch]) -> dict:
+    """One more pass of `v` over the timed batches under torch.profiler (untimed)."""
+
+    def run() -> None:
+        for b in batches:
+            v.step(b)
+
+    return bc.profile_ops(run, f"profile {variant_name(v.key)}", per=len(batches), unit="step")
 
 
 def main(argv=None) -> None:

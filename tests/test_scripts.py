@@ -100,6 +100,63 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
+def test_bench_train_profiles_where_a_step_went(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from _bench_common import op_group
+    from bench_train import main
+
+    assert [op_group(n) for n in ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::bmm",
+                                  "aten::_softmax_backward_data", "aten::_log_softmax", "aten::addmm", "aten::baddbmm",
+                                  "aten::_to_copy", "aten::_fused_adamw_", "aten::gelu")] == [
+        "attention kernels", "attention kernels", "attention kernels", "other", "linear-layer matmuls", "other",
+        "casts and copies", "optimizer", "other"]
+    out = tmp_path / "bench.json"
+    main(["--mode", "synthetic", "--d-model", "16", "--heads", "2", "--layers", "1", "--seq-len", "16", "--vocab",
+          "100", "--batch-size", "4", "--steps", "2", "--warmup", "1", "--variants", "a,b,a_explicit",
+          "--profile", "b,a", "--json", str(out)])
+    rows = json.loads(out.read_text())["modes"]["synthetic"]["rows"]
+    assert [("profile" in r) for r in rows] == [True, True, False]  # only the variants asked for
+    for r in rows[:2]:
+        p = r["profile"]
+        assert list(p["groups_pct"]) == ["attention kernels", "linear-layer matmuls", "casts and copies", "optimizer",
+                                         "other"]
+        assert sum(p["groups_pct"].values()) == pytest.approx(100) and p["groups_pct"]["attention kernels"] > 0
+        assert p["groups_pct"]["linear-layer matmuls"] > 0 and p["self_cpu_ms_per_step"] > 0
+        assert len(p["top"]) == 8 and [t["pct"] for t in p["top"]] == sorted((t["pct"] for t in p["top"]), reverse=True)
+    printed = capsys.readouterr().out
+    assert "profile (a) ours: share of self CPU time" in printed and "profile (b) naive former-style" in printed
+    with pytest.raises(SystemExit) as bad:
+        main(["--mode", "synthetic", "--variants", "a", "--profile", "b"])
+    assert bad.value.code == 2 and "--profile ['b']: not among --variants ['a']" in capsys.readouterr().err
+
+
+def test_bench_attention_times_both_kernels_and_checks_they_agree(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from bench_attention import main
+
+    out = tmp_path / "attn.json"
+    main(["--shapes", "3,2,16,8;2,1,9,4", "--pad-fraction", "0.5", "--repeats", "2", "--bf16", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [s["shape"] for s in result["shapes"]] == [[3, 2, 16, 8], [2, 1, 9, 4]]
+    for shape in result["shapes"]:
+        B, H, T, Dh = shape["shape"]
+        assert shape["max_abs_diff"]["fp32"] < 1e-5 and shape["max_abs_diff"]["bf16"] < 5e-2  # the same attention
+        rows = shape["rows"]
+        assert [(r["precision"], r["kernel"], r["pass"]) for r in rows] == [
+            (p, k, s) for p in ("fp32", "bf16") for k in ("fused", "explicit") for s in ("forward", "forward+backward")]
+        peaks = shape["matmul_peaks"]  # each shape's, timed between its rounds
+        for r in rows:
+            flops = (4 if r["pass"] == "forward" else 12) * B * H * T * T * Dh
+            assert r["gflops"] == pytest.approx(flops / (r["ms"] / 1e3) / 1e9)
+            assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / peaks[r["precision"]]["gflops"])
+        fp32 = {(r["kernel"], r["pass"]): r["ms"] for r in rows[:4]}
+        assert all(r["vs_fp32"] == pytest.approx(r["ms"] / fp32[(r["kernel"], r["pass"])]) for r in rows)
+    assert "one doing only its matmuls at the peak would be" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        main(["--shapes", "3,2,16"])
+    assert bad.value.code == 2 and "each shape is four positive integers" in capsys.readouterr().err
+
+
 def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_dir, tmp_path):
     from transformer_cli.runtime import cpu_has_fast_bf16
 
@@ -107,7 +164,7 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
            str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers", "--compare-precision",
            "--compare-tokens-per-thread", "0,4096,64", "--compare-samples", "120", "--compare-rounds", "1",
-           "--json", str(out)]
+           "--profile", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (result,) = json.loads(out.read_text())["throughput"]
@@ -128,6 +185,10 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     if bf16:  # bf16 computes them within its precision
         assert rows[-1]["loss"] != rows[0]["loss"] and rows[-1]["loss"] == pytest.approx(rows[0]["loss"], rel=2e-2)
     assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s), fp32; load" in done.stdout
+    profile = result["profile"]  # of evaluate_model on the 120 reviews: the workers' ops are seen
+    assert sum(profile["groups_pct"].values()) == pytest.approx(100)
+    assert profile["groups_pct"]["attention kernels"] > 0 and profile["groups_pct"]["linear-layer matmuls"] > 0
+    assert "profile evaluate_model, 120 reviews: share of self CPU time" in done.stdout
 
 
 @needs_cxx
