@@ -1,4 +1,5 @@
-"""scripts/reproduce_imdb.py end to end on the synthetic data, with the recipes shrunk to seconds."""
+"""The scripts in scripts/, on synthetic data and tiny sizes: reproduce_imdb.py end to end with the
+recipes shrunk to seconds, and the benchmarks' tables, JSON and argument errors (never their speed)."""
 
 import json
 import subprocess
@@ -10,6 +11,11 @@ from conftest import REPO, needs_cxx
 
 from transformer_cli.runtime import Runtime, resolve_precision
 
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """A script in a fresh process; its exit code is asserted by the caller."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
 SHRINK = ["train.max_steps=3", "data.max_length=64", "data.vocab_size=500", "train.eval_batch_size=64"]
 
 
@@ -17,7 +23,7 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(synthetic_data_dir),
            "--out", str(tmp_path / "runs"), "--recipes", "quick", "--seeds", "1", "2",
            "--results-dir", str(tmp_path / "results"), *SHRINK]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    first = run(cmd)
     assert first.returncode == 0, first.stderr[-2000:]
     rows = [line for line in first.stdout.splitlines() if line.startswith("| quick |")]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "2"]
@@ -29,7 +35,7 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
 
     assert all("train.max_steps=3" in row and "--seed" in row for row in rows)
     # Finished runs are not repeated, and their rows show the command that trained them, not this one.
-    again = subprocess.run([*cmd, "train.log_every=7"], capture_output=True, text=True, timeout=600)
+    again = run([*cmd, "train.log_every=7"])
     assert again.returncode == 0 and "$ " not in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("| quick |")] == rows
 
@@ -44,7 +50,7 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
 
     metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256), progress=False)
     cmd = [sys.executable, str(REPO / "scripts" / "ngram_ablation.py"), str(tmp_path / "run"), "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["model"] == metrics["val"]["accuracy"]  # the same split and model as training validated
@@ -64,9 +70,9 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
 
     plain = tmp_path / "plain"
     train(tiny_config(synthetic_data_dir, plain, train__max_steps=2), progress=False)
-    refused = subprocess.run([*cmd[:2], str(plain)], capture_output=True, text=True, timeout=600)
+    refused = run([*cmd[:2], str(plain)])
     assert refused.returncode == 1 and "without an n-gram path" in refused.stderr
-    missing = subprocess.run([*cmd[:2], str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600)
+    missing = run([*cmd[:2], str(tmp_path / "nothing")])
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
@@ -75,7 +81,7 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
            "--heads", "2", "--layers", "1", "--seq-len", "16", "--vocab", "100", "--batch-size", "4", "--steps", "2",
            "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,a_fp32,b", "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     mode = json.loads(out.read_text())["modes"]["synthetic"]
     rows = mode["rows"]
@@ -92,11 +98,11 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path):
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / peaks[r["precision"]]["gflops"])
     assert not any(r["note"] for r in rows)  # a note means a non-finite loss
     assert all(r["vs_b"] == pytest.approx(r["samples_per_sec"] / rows[-1]["samples_per_sec"]) for r in rows)
-    bad = subprocess.run([*cmd[:-4], "--variants", "a_turbo"], capture_output=True, text=True, timeout=600)
+    bad = run([*cmd[:-4], "--variants", "a_turbo"])
     assert bad.returncode == 2 and "unknown variant(s) ['a_turbo']" in bad.stderr
-    both = subprocess.run([*cmd[:-4], "--variants", "a_bf16_fp32"], capture_output=True, text=True, timeout=600)
+    both = run([*cmd[:-4], "--variants", "a_bf16_fp32"])
     assert both.returncode == 2 and "unknown variant(s) ['a_bf16_fp32']" in both.stderr
-    odd = subprocess.run([*cmd[:-4], "--variants", "a_h3"], capture_output=True, text=True, timeout=600)
+    odd = run([*cmd[:-4], "--variants", "a_h3"])
     assert odd.returncode == 2 and "must be divisible by every head count, [2, 3]" in odd.stderr
 
 
@@ -165,7 +171,7 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
            str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers", "--compare-precision",
            "--compare-tokens-per-thread", "0,4096,64", "--compare-samples", "120", "--compare-rounds", "1",
            "--profile", "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     (result,) = json.loads(out.read_text())["throughput"]
     assert result["precision"] == "fp32"  # as tfm evaluate reads a run trained in fp32
@@ -197,7 +203,7 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
     cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
            str(synthetic_data_dir), "--split", "test", "--threads", "1", "--skip-cold-start", "--compile",
            "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     (result,) = json.loads(out.read_text())["throughput"]
     assert result["reviews"] == 200 and result["accuracy"] > 0.5  # the trained tiny model, on the synthetic test split
@@ -210,7 +216,7 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     out = tmp_path / "infer.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
            "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     cold = json.loads(out.read_text())["cold_start"]
     rows = {r["command"]: r for r in cold["rows"]}
