@@ -94,7 +94,7 @@ def timed_call(fn, q, k, v, mask, grad, backward: bool) -> float:
 
 def run_shape(shape: tuple[int, int, int, int], args) -> dict:
     B, H, T, Dh = shape
-    peaks = {bc_name(dt): bc.MatmulPeak(dtype=dt) for dt in args.dtypes}  # timed between this shape's rounds
+    peaks = {precision_name(dt): bc.MatmulPeak(dtype=dt) for dt in args.dtypes}  # timed between this shape's rounds
     g = torch.Generator().manual_seed(args.seed)
     q32, k32, v32, grad32 = (torch.randn(B, H, T, Dh, generator=g) for _ in range(4))
     mask = key_mask(B, T, args.pad_fraction)
@@ -120,17 +120,17 @@ def run_shape(shape: tuple[int, int, int, int], args) -> dict:
     for dt, name, p in cases:
         sec = statistics.median(times[(dt, name, p)])
         gflops = PASSES[p] * B * H * T * T * Dh / sec / 1e9
-        prec = bc_name(dt)
+        prec = precision_name(dt)
         rows.append({"shape": f"{B}x{H}x{T}x{Dh}", "precision": prec, "kernel": name, "pass": p, "ms": 1e3 * sec,
                      "gflops": gflops, "pct_peak": 100 * gflops / peaks[prec].gflops})
     fp32 = {(r["kernel"], r["pass"]): r["ms"] for r in rows if r["precision"] == "fp32"}
     for r in rows:
         r["vs_fp32"] = r["ms"] / fp32[(r["kernel"], r["pass"])]
-    return {"shape": list(shape), "max_abs_diff": {bc_name(dt): d for dt, d in diffs.items()}, "rows": rows,
+    return {"shape": list(shape), "max_abs_diff": {precision_name(dt): d for dt, d in diffs.items()}, "rows": rows,
             "matmul_peaks": {name: p.as_dict() for name, p in peaks.items()}, "peaks": peaks}
 
 
-def bc_name(dtype: torch.dtype) -> str:
+def precision_name(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
 
 
@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     bc.set_threads(args.threads)
     info = bc.hardware_info()
     bc.print_header("bench_attention: attention kernels against the matmul peak", info)
-    results = {"hardware": info, "args": {**vars(args), "dtypes": [bc_name(d) for d in args.dtypes]}, "shapes": []}
+    results = {"hardware": info, "args": {**vars(args), "dtypes": [precision_name(d) for d in args.dtypes]}, "shapes": []}
     for shape in args.shapes:
         res = run_shape(shape, args)
         peaks, rows, diffs = res.pop("peaks"), res["rows"], res["max_abs_diff"]
