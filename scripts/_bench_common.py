@@ -80,6 +80,11 @@ def set_threads(n: int | None) -> None:
 # --------------------------------------------------------------------------- compute
 
 
+def dtype_name(dtype) -> str:
+    """torch.float32 -> "fp32", torch.bfloat16 -> "bf16", as tfm names precisions."""
+    return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+
+
 class MatmulPeak:
     """GFLOP/s of a square torch.mm (fp32, or `dtype`) with this process's threads: the ceiling a
     run's figures are compared with. Call `sample()` between the measured steps (interleaved, so
@@ -115,8 +120,7 @@ class MatmulPeak:
         return 2 * self.n**3 / statistics.median(self.times) / 1e9
 
     def describe(self) -> str:
-        name = str(self.dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
-        return f"{name} torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
+        return f"{dtype_name(self.dtype)} torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
 
     def as_dict(self) -> dict:
         return {"dtype": str(self.dtype), "n": self.n, "gflops": self.gflops, "samples": len(self.times),

@@ -92,9 +92,10 @@ def timed_call(fn, q, k, v, mask, grad, backward: bool) -> float:
         return bc.now() - t0
 
 
-def run_shape(shape: tuple[int, int, int, int], args) -> dict:
+def run_shape(shape: tuple[int, int, int, int], args) -> tuple[dict, dict]:
+    """(this shape's results, its matmul peaks)."""
     B, H, T, Dh = shape
-    peaks = {precision_name(dt): bc.MatmulPeak(dtype=dt) for dt in args.dtypes}  # timed between this shape's rounds
+    peaks = {bc.dtype_name(dt): bc.MatmulPeak(dtype=dt) for dt in args.dtypes}  # timed between this shape's rounds
     g = torch.Generator().manual_seed(args.seed)
     q32, k32, v32, grad32 = (torch.randn(B, H, T, Dh, generator=g) for _ in range(4))
     mask = key_mask(B, T, args.pad_fraction)
@@ -120,18 +121,14 @@ def run_shape(shape: tuple[int, int, int, int], args) -> dict:
     for dt, name, p in cases:
         sec = statistics.median(times[(dt, name, p)])
         gflops = PASSES[p] * B * H * T * T * Dh / sec / 1e9
-        prec = precision_name(dt)
+        prec = bc.dtype_name(dt)
         rows.append({"shape": f"{B}x{H}x{T}x{Dh}", "precision": prec, "kernel": name, "pass": p, "ms": 1e3 * sec,
                      "gflops": gflops, "pct_peak": 100 * gflops / peaks[prec].gflops})
     fp32 = {(r["kernel"], r["pass"]): r["ms"] for r in rows if r["precision"] == "fp32"}
     for r in rows:
         r["vs_fp32"] = r["ms"] / fp32[(r["kernel"], r["pass"])]
-    return {"shape": list(shape), "max_abs_diff": {precision_name(dt): d for dt, d in diffs.items()}, "rows": rows,
-            "matmul_peaks": {name: p.as_dict() for name, p in peaks.items()}, "peaks": peaks}
-
-
-def precision_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    return {"shape": list(shape), "max_abs_diff": {bc.dtype_name(dt): d for dt, d in diffs.items()}, "rows": rows,
+            "matmul_peaks": {name: p.as_dict() for name, p in peaks.items()}}, peaks
 
 
 def main(argv=None) -> None:
@@ -139,10 +136,10 @@ def main(argv=None) -> None:
     bc.set_threads(args.threads)
     info = bc.hardware_info()
     bc.print_header("bench_attention: attention kernels against the matmul peak", info)
-    results = {"hardware": info, "args": {**vars(args), "dtypes": [precision_name(d) for d in args.dtypes]}, "shapes": []}
+    results = {"hardware": info, "args": {**vars(args), "dtypes": [bc.dtype_name(d) for d in args.dtypes]}, "shapes": []}
     for shape in args.shapes:
-        res = run_shape(shape, args)
-        peaks, rows, diffs = res.pop("peaks"), res["rows"], res["max_abs_diff"]
+        res, peaks = run_shape(shape, args)
+        rows, diffs = res["rows"], res["max_abs_diff"]
         B, H, T, Dh = shape
         print(f"-- B={B}, {H} heads of {Dh}, T={T}, padding mask ({args.pad_fraction:.0%} of the keys of every "
               f"other row padded); {args.repeats} rounds; max |fused - explicit|: "
