@@ -12,6 +12,7 @@ from transformer_cli.model import (
     CTransformer,
     NgramBag,
     SelfAttention,
+    compact,
     drop_tokens,
     dropout,
     fused_attention,
@@ -340,6 +341,53 @@ def test_token_dropout_hides_tokens_like_padding_in_training_only():
     assert 0.3 < 1 - kept.sum() / mask.sum() < 0.7
     torch.testing.assert_close(dropped, plain(ids, kept))
     assert not torch.allclose(dropped, plain(ids, mask))
+
+
+def test_compact_moves_each_rows_kept_tokens_to_its_front_in_order():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (3, 70), generator=g)
+    mask = torch.rand(3, 70, generator=g) < 0.3
+    mask[:, 0] = True
+    mask[2, 40:] = False  # a row with padding at its end
+    out_ids, kept, positions = compact(ids, mask)
+    counts = mask.sum(dim=1)
+    assert kept.shape == out_ids.shape == positions.shape == (3, 32)  # most kept (< 32), rounded up to 32
+    assert kept.sum(dim=1).equal(counts) and kept[:, 0].all()
+    for row in range(3):
+        n = int(counts[row])
+        assert positions[row, :n].equal(mask[row].nonzero().squeeze(1))  # the kept columns, in order
+        assert out_ids[row, :n].equal(ids[row, mask[row]])
+        assert not kept[row, n:].any()
+    full = torch.ones(2, 40, dtype=torch.bool)
+    assert compact(ids[:2, :40], full)[1].shape == (2, 40)  # never wider than the input: 64 is cut to 40
+
+
+@pytest.mark.parametrize(("pooling", "norm", "pos_emb", "attention"), [
+    ("mean", "pre", "learned", "sdpa"), ("max", "post", "sinusoidal", "explicit"), ("first", "pre", "learned", "explicit"),
+])
+def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(pooling, norm, pos_emb, attention):
+    cfg = model_cfg(pooling=pooling, norm=norm, pos_emb=pos_emb, attention=attention, token_dropout=0.7)
+    torch.manual_seed(0)
+    fast = CTransformer(cfg, VOCAB, 96).train()
+    reference = CTransformer(cfg, VOCAB, 96).train()
+    reference.load_state_dict(fast.state_dict())
+    reference.compact_hidden = False
+    widths = []
+    fast.encoder.register_forward_pre_hook(lambda _, args: widths.append(args[0].size(1)))
+    ids, mask = random_batch([96, 80, 50, 9], seed=4)
+    labels = torch.tensor([0, 1, 1, 0])
+    results = []
+    for model in (fast, reference):
+        torch.manual_seed(7)  # the same word dropout
+        logits, loss = model(ids, mask, labels)
+        loss.backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert widths == [32]  # about 30% of 96 columns kept, rounded up to 32: the fast path did run
+    (logits, grads), (ref_logits, ref_grads) = results
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert grads["encoder.pos_emb.weight" if pos_emb == "learned" else "head.weight"].abs().sum() > 0
 
 
 def test_token_dropout_rate():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_cli.config import ModelConfig
+from transformer_cli.data import PAD_MULTIPLE
 
 
 class SelfAttention(nn.Module):
@@ -119,11 +120,14 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
         self.max_length = max_length
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (B, T): each token's place in its text, when it is not its column (see `compact`)."""
         T = ids.size(1)
         if T > self.max_length:
             raise ValueError(f"sequence of {T} tokens is longer than max_length {self.max_length}")
-        pos = self.pos_emb.weight[:T] if self.pos_emb is not None else self.pos_table[:T]  # (T, C)
+        table = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (max_length, C)
+        # F.embedding, not table[positions]: its backward sums the rows' gradients in a fixed order
+        pos = table[:T] if positions is None else F.embedding(positions, table)  # (T, C) or (B, T, C)
         x = dropout(self.tok_emb(ids) + pos, self.dropout, self.training)  # (B, T, C)
         for block in self.blocks:
             x = block(x, mask)
@@ -157,6 +161,22 @@ def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
     keep = torch.rand(mask.shape, device=mask.device) >= p  # (B, T)
     keep[:, 0] = True
     return mask & keep
+
+
+def compact(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to its front, in order, and cut the columns no row then needs.
+
+    Returns (ids, mask, positions), each (B, W): W is the most real tokens in a row, rounded up to a
+    multiple of PAD_MULTIPLE as `collate` rounds widths (no wider than T), and `positions` holds each
+    token's column in the input. The encoder never reads a hidden token: it is no key, it is not
+    pooled, and its own state feeds only itself. So after word dropout the encoder gives the kept
+    tokens the same states over about 1 - token_dropout of the columns.
+    """
+    counts = mask.sum(dim=1)  # (B,)
+    width = min(-(-int(counts.max()) // PAD_MULTIPLE) * PAD_MULTIPLE, mask.size(1))
+    positions = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # (B, W): kept first
+    kept = torch.arange(width, device=mask.device) < counts[:, None]  # (B, W)
+    return ids.gather(1, positions), kept, positions
 
 
 class NgramBag(nn.Module):
@@ -198,6 +218,8 @@ class NgramBag(nn.Module):
 
 
 class CTransformer(nn.Module):
+    compact_hidden = True  # False: hidden tokens are computed as padding (the reference for `compact`)
+
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, num_labels: int = 2):
         super().__init__()
         self.cfg = cfg
@@ -231,9 +253,12 @@ class CTransformer(nn.Module):
         it learns what the path gets wrong.
         """
         wide = None if self.ngrams is None else self.ngrams(ids, mask)  # (B, num_labels)
+        positions = None
         if self.training and self.cfg.token_dropout > 0:  # the transformer's regulariser only
             mask = drop_tokens(mask, self.cfg.token_dropout)
-        h = self.encoder(ids, mask)  # (B, T, C)
+            if self.compact_hidden:
+                ids, mask, positions = compact(ids, mask)  # (B, W) each, W about (1 - token_dropout) T
+        h = self.encoder(ids, mask, positions)  # (B, T or W, C)
         deep = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
         logits = deep if wide is None else deep + wide
         if labels is None:
