@@ -11,8 +11,10 @@ What it measures
            transformer_cli.train.fit steps it on a CPU (transformer_cli.optim.make_optimizer: fused
            AdamW over model.param_groups; the model's loss; transformer_cli.optim.clip_grad_norm_;
            fused SDPA attention with the padding mask). Its layout is the default's: pre-norm, GELU,
-           mean pooling, word dropout 0.7; these differ from (b) in elementwise work only, the
-           matmul FLOPs are the same
+           mean pooling, word dropout 0.7. Its encoder runs only the tokens word dropout keeps
+           (model.compact: about 0.3-0.4 of the columns), so it does fewer FLOPs than (b), which
+           computes every column; a_masked computes them all, and differs from (b) in
+           elementwise work only
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
            linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
            emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
