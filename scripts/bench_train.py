@@ -22,7 +22,8 @@ What it measures
            As in the notebook it has no padding mask: padded batches go in as they are.
       (c)  torch.nn.TransformerEncoder (batch_first, post-norm, ReLU, src_key_padding_mask) with the
            same embeddings, masked max pooling and a linear head; Adam.
-    Optional (--variants): (a) with suffixes, each changing one thing, e.g. a_ngrams_lazy:
+    By default: (a), a_masked, (b), (c), and a_fp32 on a CPU with native bf16. Others (--variants):
+    (a) with suffixes, each changing one thing, e.g. a_ngrams_lazy:
       _explicit  model.attention = "explicit" (written-out softmax(QK^T)V instead of SDPA)
       _bf16      bf16 autocast (the default only on a CPU with native bf16: AVX-512 BF16 or AMX; on
                  others bf16 is emulated, slower than fp32, and `tfm train` refuses it)
@@ -131,7 +132,8 @@ def variant_name(key: str) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from transformer_cli.runtime import cpu_has_fast_bf16
 
-    default_variants = "a,b,c" + (",a_fp32" if cpu_has_fast_bf16() else "")
+    # a_masked by default: (a) computes fewer columns than (b); a_masked is the comparison at equal work
+    default_variants = "a,a_masked,b,c" + (",a_fp32" if cpu_has_fast_bf16() else "")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["synthetic", "imdb", "both"], default="both")
     p.add_argument("--d-model", type=int, default=128)

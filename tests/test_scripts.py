@@ -79,7 +79,9 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from _bench_common import forward_flops
+    from bench_train import parse_args
 
+    assert parse_args([]).variants[:4] == ["a", "a_masked", "b", "c"]  # (a) beside its equal-work variant by default
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
            "--heads", "2", "--layers", "1", "--seq-len", "64", "--vocab", "100", "--batch-size", "4", "--steps", "2",
