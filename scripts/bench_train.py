@@ -12,7 +12,7 @@ What it measures
            AdamW over model.param_groups; the model's loss; transformer_cli.optim.clip_grad_norm_;
            fused SDPA attention with the padding mask). Its layout is the default's: pre-norm, GELU,
            mean pooling, word dropout 0.7. Its encoder runs only the tokens word dropout keeps
-           (model.compact: about 0.3-0.4 of the columns), so it does fewer FLOPs than (b), which
+           (model.compact: about 0.4 of the columns), so it does fewer FLOPs than (b), which
            computes every column; a_masked computes them all, and differs from (b) in
            elementwise work only
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
@@ -60,7 +60,7 @@ How to read the table
     GFLOP/s     analytic FLOPs of the variant's steps (3 x forward; forward = 2 x matmul weights x
                 tokens + 4 B T^2 d per layer for attention, see _bench_common.forward_flops) / time,
                 over the (B, T) its encoder ran: the batch's, or for (a) after word dropout the
-                narrower one `compact` leaves (about 0.3 T at token_dropout 0.7)
+                narrower one `compact` leaves (about 0.4 T at token_dropout 0.7)
     % peak      GFLOP/s over the peak: a square torch.mm in the row's precision (fp32, or bf16 for
                 bf16 rows) with the same threads, timed once per batch between the variants'
                 steps (so under the same contention), median. It bounds the ratios of variants that
