@@ -357,13 +357,15 @@ def test_compact_moves_each_rows_kept_tokens_to_its_front_in_order():
         n = int(counts[row])
         assert positions[row, :n].equal(mask[row].nonzero().squeeze(1))  # the kept columns, in order
         assert out_ids[row, :n].equal(ids[row, mask[row]])
-        assert not kept[row, n:].any()
+        assert not kept[row, n:].any() and (out_ids[row, n:] == PAD_ID).all()
     full = torch.ones(2, 40, dtype=torch.bool)
     assert compact(ids[:2, :40], full)[1].shape == (2, 40)  # never wider than the input: 64 is cut to 40
 
 
 @pytest.mark.parametrize(("pooling", "norm", "pos_emb", "attention"), [
-    ("mean", "pre", "learned", "sdpa"), ("max", "post", "sinusoidal", "explicit"), ("first", "pre", "learned", "explicit"),
+    ("mean", "pre", "learned", "sdpa"),
+    ("max", "post", "sinusoidal", "explicit"),
+    ("first", "pre", "learned", "explicit"),
 ])
 def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(pooling, norm, pos_emb, attention):
     cfg = model_cfg(pooling=pooling, norm=norm, pos_emb=pos_emb, attention=attention, token_dropout=0.7)
@@ -388,6 +390,19 @@ def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(po
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
     assert grads["encoder.pos_emb.weight" if pos_emb == "learned" else "head.weight"].abs().sum() > 0
+
+
+def test_with_lazy_embeddings_only_the_rows_of_kept_tokens_get_a_gradient():
+    model = CTransformer(model_cfg(token_dropout=0.7, lazy_embeddings=True), VOCAB, 96).train()
+    ids, mask = random_batch([96, 80, 50, 9], seed=4)
+    torch.manual_seed(7)
+    model(ids, mask, torch.tensor([0, 1, 1, 0]))[1].backward()
+    torch.manual_seed(7)  # the same word dropout
+    kept = drop_tokens(mask, 0.7)
+    rows = model.encoder.tok_emb.weight.grad.coalesce().indices()[0]
+    # a hidden token's row is left for LazyAdamW to skip; [PAD]'s fills the shorter rows, as in any padded batch
+    assert rows.tolist() == sorted(set(ids[kept].tolist()) | {PAD_ID})
+    assert len(set(ids[mask].tolist()) | {PAD_ID}) > len(rows)
 
 
 def test_token_dropout_rate():

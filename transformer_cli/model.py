@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_cli.config import ModelConfig
-from transformer_cli.data import round_width
+from transformer_cli.data import PAD_ID, round_width
 
 
 class SelfAttention(nn.Module):
@@ -167,16 +167,17 @@ def compact(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Move each row's real tokens to its front, in order, and cut the columns no row then needs.
 
     Returns (ids, mask, positions), each (B, W): W is the most real tokens in a row, rounded up to a
-    multiple of data.PAD_MULTIPLE as `collate` rounds widths (no wider than T), and `positions` holds each
-    token's column in the input. The encoder never reads a hidden token: it is no key, it is not
-    pooled, and its own state feeds only itself. So after word dropout the encoder gives the kept
-    tokens the same states over fewer columns: about 0.4 of them at token_dropout 0.7.
+    multiple of data.PAD_MULTIPLE as `collate` rounds widths (no wider than T); `positions` holds
+    each token's column in the input, and the columns after a row's tokens hold [PAD]. The encoder
+    never reads a hidden token: it is no key, it is not pooled, and its own state feeds only
+    itself. So after word dropout the encoder gives the kept tokens the same states over fewer
+    columns: about 0.4 of them at token_dropout 0.7.
     """
     counts = mask.sum(dim=1)  # (B,)
     width = min(round_width(int(counts.max())), mask.size(1))
     positions = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # (B, W): kept first
     kept = torch.arange(width, device=mask.device) < counts[:, None]  # (B, W)
-    return ids.gather(1, positions), kept, positions
+    return ids.gather(1, positions).masked_fill(~kept, PAD_ID), kept, positions  # hidden ids out of the lookup
 
 
 class NgramBag(nn.Module):
