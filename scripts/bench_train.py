@@ -419,12 +419,13 @@ def run_mode(mode: str, args) -> dict:
     rows = []
     for v in variants:
         total = sum(v.times)
-        done = step_flops(v.shapes[args.warmup:n])
+        ran = v.shapes[args.warmup:n]  # the timed steps' (B, T) into the encoder
+        done = step_flops(ran)
         rows.append({"key": v.key, "variant": variant_name(v.key), "precision": v.precision, "params": v.params,
                      "heads": v.heads,
                      "ms_median": 1e3 * statistics.median(v.times), "ms_min": 1e3 * min(v.times),
                      "samples_per_sec": samples / total, "tokens_per_sec": tokens / total,
-                     "width": statistics.fmean(w for _, w in v.shapes[args.warmup:n]),
+                     "width": statistics.fmean(w for _, w in ran),
                      "flops": done, "gflops": done / total / 1e9,
                      "pct_peak": 100 * done / total / 1e9 / peaks[v.precision].gflops,
                      "first_step_sec": v.first_sec, "note": v.note})
