@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer_cli import kernels
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID, round_width
 
@@ -25,10 +26,16 @@ class SelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.attn_dropout = cfg.attn_dropout
         self.fused = cfg.attention in ("auto", "sdpa")
+        self.cpu_kernel = cfg.attention == "auto"  # kernels.attention_bf16 for bf16 inference on CPUs that have it
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        qkv = self.qkv(x)  # (B, T, 3C)
+        if self.cpu_kernel and not self.training:
+            y = kernels.attention_bf16(qkv, mask, self.n_heads)  # (B, T, C), or None where it does not apply
+            if y is not None:
+                return self.proj(y)
+        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
         k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
         v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)

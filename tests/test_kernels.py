@@ -1,0 +1,172 @@
+import platform
+import re
+import sys
+
+import pytest
+import torch
+
+from transformer_cli import kernels
+from transformer_cli.config import ModelConfig
+from transformer_cli.model import CTransformer, explicit_attention
+
+CAN_RUN = sys.platform.startswith("linux") and platform.machine() == "x86_64" and torch.cpu._is_avx512_bf16_supported()
+needs_avx512_bf16 = pytest.mark.skipif(not CAN_RUN, reason="the kernel needs x86-64 Linux with AVX-512 BF16")
+
+
+@pytest.fixture
+def fresh_kernels(tmp_path, monkeypatch):
+    """The kernel module with nothing loaded and its cache in tmp_path; reloaded from scratch after."""
+    monkeypatch.setenv("TFM_CACHE", str(tmp_path))
+    kernels.reset()
+    yield tmp_path / "kernels"
+    kernels.reset()
+
+
+def qkv_and_mask(B: int, T: int, H: int, D: int, lengths: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(B, T, 3 * H * D, generator=g) * 1.5).bfloat16()
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return qkv, mask
+
+
+def reference(qkv: torch.Tensor, mask: torch.Tensor, H: int) -> torch.Tensor:
+    """explicit_attention in fp32 on the same bf16 inputs, heads merged: (B, T, C)."""
+    B, T, C3 = qkv.shape
+    q, k, v = (x.view(B, T, H, C3 // 3 // H).transpose(1, 2) for x in qkv.float().split(C3 // 3, dim=2))
+    return explicit_attention(q, k, v, mask[:, None, None, :]).transpose(1, 2).reshape(B, T, C3 // 3)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(
+    ("T", "H", "D", "lengths"),
+    [
+        (256, 8, 16, [256, 190, 1, 77]),  # seed.toml's heads; a row of [CLS] alone
+        (37, 2, 32, [37, 36, 17, 2]),  # the default's heads; T not a multiple of 16
+        (64, 1, 64, [64, 33]),
+        (1, 4, 16, [1]),
+    ],
+)
+def test_attention_kernel_equals_the_reference(T, H, D, lengths):
+    qkv, mask = qkv_and_mask(len(lengths), T, H, D, lengths)
+    mask[0, min(3, T - 1)] = T == 1  # a hidden key inside the first row (not in a one-token row)
+    with torch.inference_mode():
+        out = kernels.attention_bf16(qkv, mask, H)
+        ref = reference(qkv, mask, H)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == ref.shape
+    rows = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # up to each row's last real token
+    # bf16 output (as the projection reads it) and bf16 probabilities: within 2% of the scale of v
+    assert torch.allclose(out.float()[rows], ref[rows], atol=0.03 * 1.5, rtol=0.02)
+    assert (out.float() - ref)[rows].abs().mean() < 3e-3
+    assert (out[~rows] == 0).all()  # rows after the last real token: zero, never read
+
+
+@needs_avx512_bf16
+def test_attention_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+    qkv, mask = qkv_and_mask(5, 48, 4, 16, [48, 40, 9, 48, 1], seed=1)
+    outs = []
+    for threads in (1, 3, 64):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        with torch.inference_mode():
+            outs.append(kernels.attention_bf16(qkv, mask, 4))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_avx512_bf16
+def test_attention_kernel_declines_what_it_does_not_cover(monkeypatch):
+    qkv, mask = qkv_and_mask(2, 16, 4, 16, [16, 5])
+    with torch.inference_mode():
+        assert kernels.attention_bf16(qkv, mask, 4) is not None
+        assert kernels.attention_bf16(qkv.float(), mask, 4) is None  # fp32: SDPA's
+        assert kernels.attention_bf16(qkv, mask, 8) is None  # head size 8
+    assert kernels.attention_bf16(qkv, mask, 4) is None  # autograd on: training needs SDPA's backward
+    monkeypatch.setattr(kernels, "enabled", False)  # TFM_CPU_KERNELS=0
+    with torch.inference_mode():
+        assert kernels.attention_bf16(qkv, mask, 4) is None
+
+
+def eval_logits(cfg: ModelConfig, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Logits of the same weights with attention "auto" and "sdpa" under bf16 autocast, and how many
+    times the kernel ran."""
+    torch.manual_seed(0)
+    auto = CTransformer(cfg, 100, 64).eval()
+    sdpa = CTransformer(ModelConfig(**{**cfg.__dict__, "attention": "sdpa"}), 100, 64).eval()
+    sdpa.load_state_dict(auto.state_dict())
+    calls = []
+    attention = kernels.attention_bf16
+
+    def counted(*args):
+        out = attention(*args)
+        calls.append(out is not None)
+        return out
+
+    kernels.attention_bf16 = counted
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return auto(ids, mask).float(), sdpa(ids, mask).float(), sum(calls)
+    finally:
+        kernels.attention_bf16 = attention
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"d_model": 128, "n_heads": 8, "n_layers": 3, "pooling": "max", "norm": "post"},  # seed.toml's
+        {"d_model": 64, "n_heads": 2, "n_layers": 2, "pooling": "mean", "norm": "pre"},  # the default's
+    ],
+)
+def test_model_inference_with_the_kernel_matches_sdpa(kw):
+    cfg = ModelConfig(**kw, dropout=0.0, ngram_buckets=0)
+    g = torch.Generator().manual_seed(2)
+    mask = torch.arange(64)[None, :] < torch.tensor([64, 50, 20, 1, 33])[:, None]
+    ids = torch.randint(5, 100, mask.shape, generator=g).masked_fill(~mask, 0)
+    with_kernel, with_sdpa, calls = eval_logits(cfg, ids, mask)
+    assert calls == cfg.n_layers  # every layer took the kernel
+    scale = with_sdpa.abs().max()
+    assert (with_kernel - with_sdpa).abs().max() <= 0.05 * scale
+    assert torch.equal(with_kernel.argmax(1), with_sdpa.argmax(1))
+
+
+@needs_avx512_bf16
+def test_the_library_is_compiled_once_into_the_cache(fresh_kernels):
+    assert kernels.available() and kernels.unavailable_reason() is None
+    built = list(fresh_kernels.glob("attention_bf16-*.so"))
+    assert len(built) == 1 and not list(fresh_kernels.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    kernels.reset()
+    assert kernels.available()
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+@needs_avx512_bf16
+def test_a_failed_build_falls_back_to_sdpa(fresh_kernels, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    assert not kernels.available()
+    assert kernels.unavailable_reason().startswith("false failed")
+    assert not fresh_kernels.exists() or not list(fresh_kernels.iterdir())  # no half-written library
+    qkv, mask = qkv_and_mask(2, 16, 4, 16, [16, 5])
+    with torch.inference_mode():
+        assert kernels.attention_bf16(qkv, mask, 4) is None
+    cfg = ModelConfig(d_model=64, n_heads=2, n_layers=1, dropout=0.0, ngram_buckets=0)
+    with_kernel, with_sdpa, calls = eval_logits(cfg, torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=bool))
+    assert calls == 0 and torch.equal(with_kernel, with_sdpa)
+
+
+def test_without_avx512_bf16_nothing_is_compiled(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert not kernels.available()
+    assert "AVX-512 BF16" in kernels.unavailable_reason() or "x86-64 Linux" in kernels.unavailable_reason()
+    assert not fresh_kernels.exists()
+
+
+def test_the_exp_polynomial_is_within_its_stated_error():
+    """exp_ps's 2^f polynomial (degree 5 on [-0.5, 0.5]), read from the C source: relative error < 1.5e-7."""
+    source = kernels.SOURCE.read_text()
+    body = source[source.index("static inline __m512 exp_ps") :].split("\n}\n")[0]
+    coefficients = [float(c) for c in re.findall(r"(?:p = |p, f, )_mm512_set1_ps\(([-0-9.e]+)f\)", body)]
+    assert len(coefficients) == 6  # highest degree first, as Horner's rule reads them
+    f = torch.linspace(-0.5, 0.5, 10001, dtype=torch.float64)
+    poly = torch.zeros_like(f)
+    for c in coefficients:
+        poly = poly * f + c
+    assert ((poly - 2.0**f).abs() / 2.0**f).max() < 1.5e-7
