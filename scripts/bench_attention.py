@@ -6,6 +6,10 @@ What it measures
     model passes it (the last --pad-fraction of the keys of every other row are padding):
       fused     F.scaled_dot_product_attention: torch's CPU flash kernel
       explicit  transformer_cli.model.explicit_attention: softmax(q k^T / sqrt(Dh)) v, written out
+      kernel    transformer_cli.kernels.attention_bf16, what `tfm evaluate` and `tfm predict` run
+                under bf16 (bf16 only, forward only, where it is available; it reads q, k and v from
+                one (B, T, 3 H Dh) tensor, as the model's fused projection gives them, built before
+                timing, and writes (B, T, H Dh))
     each forward alone (under torch.inference_mode) and forward + backward, interleaved over
     --repeats rounds after an untimed one, median. A torch.mm peak in each precision is timed
     between the rounds.
@@ -16,12 +20,14 @@ How to read the table
                 backward 12 B H T^2 Dh (also dP, dV, dQ, dK). Softmax and the flash kernel's
                 recomputation of q k^T in its backward are not counted: this is useful work
     % peak      GFLOP/s over the torch.mm peak in the row's precision
-    vs fp32     the row's time over the same kernel and pass in fp32 (bf16 rows)
+    vs fp32     the row's time over the same kernel and pass in fp32 (bf16 rows; for `kernel`, over
+                fused in fp32, what the model runs without it)
     A kernel that did only these matmuls at the peak would be (100 / % peak) times faster than the
     row: the most any kernel of that precision could gain. The softmax around the matmuls (exp on
     T^2 scores per head) is not free either, so the real room is smaller.
     The fused and explicit outputs of each shape and precision are compared (max |difference|),
-    a check that both compute the same attention.
+    a check that both compute the same attention; `kernel`'s output against fp32 fused's, over the
+    rows up to each sequence's last real token (the kernel leaves the rows after it zero).
 
 Examples
     python scripts/bench_attention.py                                    # the default shapes
@@ -80,6 +86,25 @@ def kernels():
             "explicit": explicit_attention}
 
 
+def cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """transformer_cli.kernels.attention_bf16 on these (B, H, T, Dh) inputs, as a call with no
+    arguments (they are packed into the model's (B, T, 3C) layout here, untimed), or None where it
+    does not run."""
+    from transformer_cli import kernels as cpu_kernels
+
+    if not cpu_kernels.available() or q.size(-1) not in cpu_kernels.HEAD_SIZES:
+        return None
+    B, H, T, Dh = q.shape
+    qkv = torch.cat([x.transpose(1, 2).reshape(B, T, H * Dh) for x in (q, k, v)], dim=2).bfloat16()  # (B, T, 3C)
+    keys = mask.reshape(B, T)  # (B, T)
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return cpu_kernels.attention_bf16(qkv, keys, H)
+
+    return call
+
+
 def timed_call(fn, q, k, v, mask, grad, backward: bool) -> float:
     if backward:
         q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -107,6 +132,14 @@ def run_shape(shape: tuple[int, int, int, int], args) -> tuple[dict, dict]:
         q, k, v, _ = inputs[dt]
         with torch.inference_mode():
             diffs[dt] = (fns["fused"](q, k, v, mask).float() - fns["explicit"](q, k, v, mask).float()).abs().max().item()
+    packed = cpu_kernel(q32, k32, v32, mask) if torch.bfloat16 in args.dtypes else None
+    if packed is not None:
+        cases.append((torch.bfloat16, "kernel", "forward"))
+        fns["kernel"] = lambda q, k, v, m: packed()  # its own packed inputs
+        with torch.inference_mode():
+            fused = fns["fused"](q32, k32, v32, mask).transpose(1, 2).reshape(B, T, H * Dh)  # (B, T, C)
+        rows_run = torch.arange(T)[None, :] <= mask.reshape(B, T).cumsum(1).argmax(1)[:, None]  # to the last real key
+        diffs["kernel"] = (packed().float() - fused)[rows_run].abs().max().item()
     times: dict[tuple, list[float]] = {c: [] for c in cases}
     for r in range(1 + args.repeats):  # round 0 untimed: first calls (oneDNN primitives, buffers)
         for dt, name, p in cases:
@@ -126,8 +159,9 @@ def run_shape(shape: tuple[int, int, int, int], args) -> tuple[dict, dict]:
                      "gflops": gflops, "pct_peak": 100 * gflops / peaks[prec].gflops})
     fp32 = {(r["kernel"], r["pass"]): r["ms"] for r in rows if r["precision"] == "fp32"}
     for r in rows:
-        r["vs_fp32"] = r["ms"] / fp32[(r["kernel"], r["pass"])]
-    return {"shape": list(shape), "max_abs_diff": {bc.dtype_name(dt): d for dt, d in diffs.items()}, "rows": rows,
+        r["vs_fp32"] = r["ms"] / fp32[("fused" if r["kernel"] == "kernel" else r["kernel"], r["pass"])]
+    diffs = {k if isinstance(k, str) else bc.dtype_name(k): d for k, d in diffs.items()}
+    return {"shape": list(shape), "max_abs_diff": diffs, "rows": rows,
             "matmul_peaks": {name: p.as_dict() for name, p in peaks.items()}}, peaks
 
 
@@ -143,7 +177,8 @@ def main(argv=None) -> None:
         B, H, T, Dh = shape
         print(f"-- B={B}, {H} heads of {Dh}, T={T}, padding mask ({args.pad_fraction:.0%} of the keys of every "
               f"other row padded); {args.repeats} rounds; max |fused - explicit|: "
-              + ", ".join(f"{p} {d:.2g}" for p, d in diffs.items()))
+              + ", ".join(f"{p} {d:.2g}" for p, d in diffs.items() if p != "kernel")
+              + (f"; max |kernel - fp32 fused|: {diffs['kernel']:.2g}" if "kernel" in diffs else ""))
         bc.print_table(rows, [("precision", "precision"), ("kernel", "kernel"), ("pass", "pass"), ("ms", "ms"),
                               ("gflops", "GFLOP/s"), ("pct_peak", "% peak"), ("vs_fp32", "vs fp32")],
                        digits={"ms": 2, "vs_fp32": 2})

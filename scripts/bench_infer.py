@@ -26,6 +26,9 @@ What it measures
          --compare-workers adds CPU_WORKERS = 1 to that comparison: one worker whose torch threads
          share each operation, against the default's workers, each running whole batches on its
          share of the threads (on 2 cores: 2 workers of one thread).
+         --compare-attention adds the model with transformer_cli.kernels off (its attention in
+         F.scaled_dot_product_attention, as before the kernel) to that comparison, in bf16 only (the
+         kernel runs only there) and where the kernel is available.
          --compile also times evaluate_model over the split with the model under torch.compile
          (inductor, dynamic shapes, weights frozen as constants): the first pass, which compiles,
          and the median of --repeats more, against the eager passes above; and how far its logits
@@ -88,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also compare CPU evaluation with one worker of all threads (CPU_WORKERS = 1), interleaved")
     p.add_argument("--compare-precision", action="store_true",
                    help="also compare evaluation in the other of fp32 and bf16, interleaved")
+    p.add_argument("--compare-attention", action="store_true",
+                   help="also time the model with transformer_cli.kernels off (F.scaled_dot_product_attention)")
     p.add_argument("--precision", default=None, help="auto, fp32 or bf16 (default: what tfm evaluate picks)")
     p.add_argument("--compare-samples", type=int, default=1000)
     p.add_argument("--compare-rounds", type=int, default=3)
@@ -205,7 +210,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
               "real_tokens": real_tokens, "padded_tokens": padded, "flops": flops, "params": params,
               "precision": rt.precision, "load_sec": load_sec, "model_sec_all": times, "matmul_peak": peak.as_dict(),
               "accuracy": metrics["accuracy"], "rows": rows, "target": check}
-    if args.compare_tokens_per_thread or args.compare_workers or args.compare_precision:
+    if args.compare_tokens_per_thread or args.compare_workers or args.compare_precision or args.compare_attention:
         result["compare"] = compare_settings(model, enc, rt, batch_size, len(labels), args)
     if args.compile:
         result["compile"] = compare_compile(model, enc, rt, batch_size, len(labels), args)
@@ -227,7 +232,10 @@ def compare_subset(enc, args):
 def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> list[dict]:
     """evaluate_model on a seeded subset under each setting of transformer_cli.evaluate's CPU batching
     (the shipped default first), interleaved over --compare-rounds rounds."""
+    import torch
+
     from transformer_cli import evaluate as ev
+    from transformer_cli import kernels
     from transformer_cli.runtime import cpu_has_fast_bf16
 
     changes = [{}]
@@ -238,6 +246,8 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
         changes.append({"CPU_WORKERS": 1})
     if args.compare_precision and (rt.amp_dtype is not None or cpu_has_fast_bf16()):
         changes.append({"precision": "fp32" if rt.amp_dtype is not None else "bf16"})
+    if args.compare_attention and rt.amp_dtype is torch.bfloat16 and kernels.available():
+        changes.append({"cpu_kernels": False})
     labels, runtimes = [], []
     for change in changes:
         run_rt = with_precision(rt, change.get("precision"))
@@ -277,27 +287,31 @@ def with_precision(rt, precision: str | None):
 @contextlib.contextmanager
 def evaluate_setting(change: dict):
     """transformer_cli.evaluate's module settings changed inside, restored after ("precision" is
-    the runtime's, not a module setting)."""
+    the runtime's, not a module setting; "cpu_kernels" is transformer_cli.kernels.enabled)."""
     from transformer_cli import evaluate as ev
+    from transformer_cli import kernels
 
-    change = {name: value for name, value in change.items() if name != "precision"}
-    before = {name: getattr(ev, name) for name in change}
-    for name, value in change.items():
-        setattr(ev, name, value)
+    modules = {name: kernels if name == "cpu_kernels" else ev for name in change if name != "precision"}
+    attrs = {"cpu_kernels": "enabled"}
+    before = {name: getattr(module, attrs.get(name, name)) for name, module in modules.items()}
+    for name, module in modules.items():
+        setattr(module, attrs.get(name, name), change[name])
     try:
         yield
     finally:
-        for name, value in before.items():
-            setattr(ev, name, value)
+        for name, module in modules.items():
+            setattr(module, attrs.get(name, name), before[name])
 
 
 def describe_setting() -> str:
     from transformer_cli import evaluate as ev
+    from transformer_cli import kernels
 
     workers, per_worker = ev.cpu_workers()
     tokens = ev.CPU_TOKENS_PER_THREAD
     batches = "batches of batch_size reviews" if tokens == 0 else f"<= {tokens} tokens/thread"
-    return f"{batches}, {workers} worker(s) of {per_worker} thread(s)"
+    kernel_off = ", bf16 attention kernel off" if not kernels.enabled else ""
+    return f"{batches}, {workers} worker(s) of {per_worker} thread(s){kernel_off}"
 
 
 def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> dict:

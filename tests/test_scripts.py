@@ -151,22 +151,30 @@ def test_bench_attention_times_both_kernels_and_checks_they_agree(tmp_path, caps
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     from bench_attention import main
 
+    from transformer_cli import kernels
+
     out = tmp_path / "attn.json"
-    main(["--shapes", "3,2,16,8;2,1,9,4", "--pad-fraction", "0.5", "--repeats", "2", "--bf16", "--json", str(out)])
+    main(["--shapes", "3,2,16,8;2,1,9,4;2,2,20,16", "--pad-fraction", "0.5", "--repeats", "2", "--bf16", "--json",
+          str(out)])
     result = json.loads(out.read_text())
-    assert [s["shape"] for s in result["shapes"]] == [[3, 2, 16, 8], [2, 1, 9, 4]]
+    assert [s["shape"] for s in result["shapes"]] == [[3, 2, 16, 8], [2, 1, 9, 4], [2, 2, 20, 16]]
     for shape in result["shapes"]:
         B, H, T, Dh = shape["shape"]
         assert shape["max_abs_diff"]["fp32"] < 1e-5 and shape["max_abs_diff"]["bf16"] < 5e-2  # the same attention
         rows = shape["rows"]
+        with_kernel = Dh == 16 and kernels.available()  # transformer_cli.kernels: head sizes 16, 32, 64
         assert [(r["precision"], r["kernel"], r["pass"]) for r in rows] == [
-            (p, k, s) for p in ("fp32", "bf16") for k in ("fused", "explicit") for s in ("forward", "forward+backward")]
+            (p, k, s) for p in ("fp32", "bf16") for k in ("fused", "explicit") for s in ("forward", "forward+backward")
+        ] + [("bf16", "kernel", "forward")] * with_kernel
+        if with_kernel:
+            assert shape["max_abs_diff"]["kernel"] < 5e-2
         peaks = shape["matmul_peaks"]  # each shape's, timed between its rounds
         for r in rows:
             flops = (4 if r["pass"] == "forward" else 12) * B * H * T * T * Dh
             assert r["gflops"] == pytest.approx(flops / (r["ms"] / 1e3) / 1e9)
             assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / peaks[r["precision"]]["gflops"])
         fp32 = {(r["kernel"], r["pass"]): r["ms"] for r in rows[:4]}
+        fp32["kernel", "forward"] = fp32["fused", "forward"]  # the kernel against what runs without it
         assert all(r["vs_fp32"] == pytest.approx(r["ms"] / fp32[(r["kernel"], r["pass"])]) for r in rows)
     assert "one doing only its matmuls at the peak would be" in capsys.readouterr().out
     with pytest.raises(SystemExit) as bad:
@@ -206,6 +214,24 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     assert sum(profile["groups_pct"].values()) == pytest.approx(100)
     assert profile["groups_pct"]["attention kernels"] > 0 and profile["groups_pct"]["linear-layer matmuls"] > 0
     assert "profile evaluate_model, 120 reviews: share of self CPU time" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the attention kernel needs AVX-512 BF16")
+def test_bench_infer_compares_the_attention_kernel_with_sdpa(trained_dir, synthetic_data_dir, tmp_path):
+    out = tmp_path / "infer.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+           str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--precision", "bf16",
+           "--compare-attention", "--compare-samples", "80", "--compare-rounds", "1", "--json", str(out)]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["throughput"]
+    rows = result["compare"]
+    assert [r["setting"] for r in rows] == [
+        "default: <= 4096 tokens/thread, 2 worker(s) of 1 thread(s), bf16",
+        "<= 4096 tokens/thread, 2 worker(s) of 1 thread(s), bf16 attention kernel off, bf16",
+    ]
+    assert rows[1]["loss"] != rows[0]["loss"]  # another kernel ran ...
+    assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-2)  # ... on the same attention
 
 
 @needs_cxx
