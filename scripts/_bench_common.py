@@ -129,7 +129,8 @@ class MatmulPeak:
 
 # The op groups of a profile, by the first match in an op's name; "other" takes the rest.
 OP_GROUPS = {
-    "attention kernels": ("scaled_dot_product", "aten::bmm", "aten::_softmax"),  # (b), _explicit: bmm, softmax
+    # (b), _explicit: bmm, softmax; transformer_cli.kernels' bf16 attention, recorded by name
+    "attention kernels": ("scaled_dot_product", "aten::bmm", "aten::_softmax", "tfm::attention_bf16"),
     "linear-layer matmuls": ("aten::mm", "aten::addmm"),
     "casts and copies": ("aten::copy_", "aten::_to_copy"),
     "optimizer": ("adam",),
