@@ -78,6 +78,7 @@ def test_attention_kernel_declines_what_it_does_not_cover(monkeypatch):
         assert kernels.attention_bf16(qkv, mask, 4) is not None
         assert kernels.attention_bf16(qkv.float(), mask, 4) is None  # fp32: SDPA's
         assert kernels.attention_bf16(qkv, mask, 8) is None  # head size 8
+        assert kernels.attention_bf16(qkv, mask.long(), 4) is None  # a mask that is not bool
     assert kernels.attention_bf16(qkv, mask, 4) is None  # autograd on: training needs SDPA's backward
     monkeypatch.setattr(kernels, "enabled", False)  # TFM_CPU_KERNELS=0
     with torch.inference_mode():

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "attention_bf16.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC", "-pthread"]
+FLAGS = ["-O3", "-fno-strict-aliasing", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
+         "-shared", "-fPIC", "-pthread"]  # no strict aliasing: bf16 pairs are read as 32-bit words
 HEAD_SIZES = (16, 32, 64)
 
 enabled = os.environ.get("TFM_CPU_KERNELS", "1") != "0"  # False: attention_bf16 always returns None
@@ -52,7 +53,7 @@ def _build() -> ctypes.CDLL:
     """The compiled library, built into the cache unless it is there; raises OSError saying why not."""
     if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
         raise OSError(f"built for x86-64 Linux only, not {sys.platform} {platform.machine()}")
-    if not torch.cpu._is_avx512_bf16_supported():
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         raise OSError("this CPU has no AVX-512 BF16 instructions")
     cc = _compiler()
     if cc is None:
@@ -119,6 +120,7 @@ def attention_bf16(qkv: torch.Tensor, mask: torch.Tensor, n_heads: int) -> torch
         not enabled
         or qkv.device.type != "cpu"
         or qkv.dtype != torch.bfloat16
+        or mask.dtype != torch.bool
         or torch.is_grad_enabled()
         or C // n_heads not in HEAD_SIZES
         or torch.compiler.is_compiling()
