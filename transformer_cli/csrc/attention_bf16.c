@@ -41,8 +41,9 @@ static inline __m512 exp_ps(__m512 x) {
 
 // One (batch row, head), with the calling thread's scratch: packed keys `kp` and values `vp`, R rows of
 // scores `s` (fp32) and of probabilities `pb` (bf16), and a 16-key mask `km` per chunk of keys.
-static void head(const job_t *j, int b, int h, uint16_t *kp, uint16_t *vp, float *s, uint16_t *pb, __mmask16 *km) {
-  const int T = j->T, H = j->H, D = j->D, C = H * D, NP = D / 2, NV = D / 16;
+static inline __attribute__((always_inline)) void head(const job_t *j, int b, int h, uint16_t *kp, uint16_t *vp,
+                                                       float *s, uint16_t *pb, __mmask16 *km, const int D) {
+  const int T = j->T, H = j->H, C = H * D, NP = D / 2, NV = D / 16;
   const uint8_t *mrow = j->mask + (size_t)b * T;
   int L = T;
   while (L > 0 && !mrow[L - 1]) --L;  // keys [0, L) hold every real one
@@ -89,14 +90,18 @@ static void head(const job_t *j, int b, int h, uint16_t *kp, uint16_t *vp, float
     __m512 mx[R];
     for (int r = 0; r < R; ++r) mx[r] = ninf;
     for (int c = 0; c < NC; ++c) {
-      __m512 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-      for (int p = 0; p < NP; ++p) {
-        __m512bh kv = (__m512bh)_mm512_loadu_si512(kp32 + (c * NP + p) * 16);
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)q32[r][p]), kv);
+      __m512 acc0[R], acc1[R];  // two sums per row (even and odd pairs of dims): twice the chains in flight
+      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+      for (int p = 0; p < NP; p += 2) {
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp32 + (c * NP + p) * 16);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp32 + (c * NP + p + 1) * 16);
+        for (int r = 0; r < R; ++r) {
+          acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)q32[r][p]), k0);
+          acc1[r] = _mm512_dpbf16_ps(acc1[r], (__m512bh)_mm512_set1_epi32((int)q32[r][p + 1]), k1);
+        }
       }
       for (int r = 0; r < R; ++r) {
-        __m512 sc = _mm512_mask_mul_ps(ninf, km[c], acc[r], vscale);
+        __m512 sc = _mm512_mask_mul_ps(ninf, km[c], _mm512_add_ps(acc0[r], acc1[r]), vscale);
         mx[r] = _mm512_max_ps(mx[r], sc);
         _mm512_storeu_ps(s + r * L16 + c * 16, sc);
       }
@@ -115,21 +120,29 @@ static void head(const job_t *j, int b, int h, uint16_t *kp, uint16_t *vp, float
       }
       inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
-    __m512 o[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) o[r][v] = _mm512_setzero_ps();
+    // p v: for D <= 32 (one or two 16-lane sums per row), two sums each (even and odd key pairs) to keep
+    // enough independent vdpbf16ps chains in flight
+    const int NS = NV <= 2 ? 2 : 1;
+    __m512 o[2][R][4];
+    for (int k = 0; k < NS; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) o[k][r][v] = _mm512_setzero_ps();
     const uint32_t *p32[R];
     for (int r = 0; r < R; ++r) p32[r] = (const uint32_t *)(pb + r * (L16 + 16));
-    for (int jp = 0; jp < L16 / 2; ++jp) {
-      for (int v = 0; v < NV; ++v) {
-        __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + ((size_t)jp * D + 16 * v) * 2);
-        for (int r = 0; r < R; ++r) o[r][v] = _mm512_dpbf16_ps(o[r][v], (__m512bh)_mm512_set1_epi32((int)p32[r][jp]), vv);
-      }
+    for (int jp = 0; jp < L16 / 2; jp += NS) {
+      for (int k = 0; k < NS; ++k)
+        for (int v = 0; v < NV; ++v) {
+          __m512bh vv = (__m512bh)_mm512_loadu_si512(vp + ((size_t)(jp + k) * D + 16 * v) * 2);
+          for (int r = 0; r < R; ++r)
+            o[k][r][v] = _mm512_dpbf16_ps(o[k][r][v], (__m512bh)_mm512_set1_epi32((int)p32[r][jp + k]), vv);
+        }
     }
     for (int r = 0; r < nr; ++r)
-      for (int v = 0; v < NV; ++v)
+      for (int v = 0; v < NV; ++v) {
+        __m512 sum = NS == 2 ? _mm512_add_ps(o[0][r][v], o[1][r][v]) : o[0][r][v];
         _mm256_storeu_si256((__m256i *)(orow + (size_t)(i0 + r) * C + 16 * v),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][v], _mm512_set1_ps(inv[r]))));
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum, _mm512_set1_ps(inv[r]))));
+      }
   }
 }
 
@@ -144,7 +157,15 @@ static void *run(void *arg) {
   if (!kp || !vp || !s || !pb || !km) {
     j->status = 1;
   } else {
-    for (int bh = j->begin; bh < j->end; ++bh) head(j, bh / j->H, bh % j->H, kp, vp, s, pb, km);
+    for (int bh = j->begin; bh < j->end; ++bh) {  // D as a constant: each head size its own unrolled code
+      const int b = bh / j->H, h = bh % j->H;
+      if (j->D == 16)
+        head(j, b, h, kp, vp, s, pb, km, 16);
+      else if (j->D == 32)
+        head(j, b, h, kp, vp, s, pb, km, 32);
+      else
+        head(j, b, h, kp, vp, s, pb, km, 64);
+    }
   }
   free(kp);
   free(vp);
