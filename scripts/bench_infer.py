@@ -291,16 +291,16 @@ def evaluate_setting(change: dict):
     from transformer_cli import evaluate as ev
     from transformer_cli import kernels
 
-    modules = {name: kernels if name == "cpu_kernels" else ev for name in change if name != "precision"}
-    attrs = {"cpu_kernels": "enabled"}
-    before = {name: getattr(module, attrs.get(name, name)) for name, module in modules.items()}
-    for name, module in modules.items():
-        setattr(module, attrs.get(name, name), change[name])
+    targets = {name: (kernels, "enabled") if name == "cpu_kernels" else (ev, name) for name in change
+               if name != "precision"}  # setting -> (module, attribute)
+    before = {name: getattr(*target) for name, target in targets.items()}
+    for name, (module, attr) in targets.items():
+        setattr(module, attr, change[name])
     try:
         yield
     finally:
-        for name, module in modules.items():
-            setattr(module, attrs.get(name, name), before[name])
+        for name, (module, attr) in targets.items():
+            setattr(module, attr, before[name])
 
 
 def describe_setting() -> str:
