@@ -373,15 +373,20 @@ def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(po
     fast = CTransformer(cfg, VOCAB, 96).train()
     reference = CTransformer(cfg, VOCAB, 96).train()
     reference.load_state_dict(fast.state_dict())
-    reference.compact_hidden = False
+
+    def hidden_tokens_as_padding(ids, mask, labels):  # the reference: every column, word-dropped ones masked
+        dropped = drop_tokens(mask, cfg.token_dropout)
+        logits = reference.head(pool(reference.encoder(ids, dropped), dropped, cfg.pooling))
+        return logits, F.cross_entropy(logits, labels)
+
     widths = []
     fast.encoder.register_forward_pre_hook(lambda _, args: widths.append(args[0].size(1)))
     ids, mask = random_batch([96, 80, 50, 9], seed=4)
     labels = torch.tensor([0, 1, 1, 0])
     results = []
-    for model in (fast, reference):
+    for model, forward in ((fast, fast), (reference, hidden_tokens_as_padding)):
         torch.manual_seed(7)  # the same word dropout
-        logits, loss = model(ids, mask, labels)
+        logits, loss = forward(ids, mask, labels)
         loss.backward()
         results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
     assert widths == [32]  # about 30% of 96 columns kept, rounded up to 32: the fast path did run

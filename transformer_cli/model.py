@@ -226,30 +226,19 @@ class NgramBag(nn.Module):
 
 
 class CTransformer(nn.Module):
-    compact_hidden = True  # False: hidden tokens are computed as padding (the reference for `compact`)
+    """The classifier: the encoder's states pooled over the sequence, then a linear head; with
+    `ngram_buckets`, the n-gram path's scores added to its logits."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, num_labels: int = 2):
         super().__init__()
         self.cfg = cfg
         self.encoder = Encoder(cfg, vocab_size, max_length)
         self.head = nn.Linear(cfg.d_model, num_labels)
-        self.apply(self._init_weights)
-        # GPT-2 style: shrink the projections that write into the residual stream with depth.
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "ff.2.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        init_weights(self, cfg.n_layers)
         self.ngrams = (
             NgramBag(vocab_size, cfg.ngram_buckets, num_labels, cfg.ngram_order, cfg.ngram_binary, cfg.lazy_embeddings)
             if cfg.ngram_buckets else None
         )
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     def forward(
         self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0
@@ -264,8 +253,7 @@ class CTransformer(nn.Module):
         positions = None
         if self.training and self.cfg.token_dropout > 0:  # the transformer's regulariser only
             mask = drop_tokens(mask, self.cfg.token_dropout)
-            if self.compact_hidden:
-                ids, mask, positions = compact(ids, mask)  # (B, W) each, W a little over (1 - token_dropout) T
+            ids, mask, positions = compact(ids, mask)  # (B, W) each, W a little over (1 - token_dropout) T
         h = self.encoder(ids, mask, positions)  # (B, T or W, C)
         deep = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
         logits = deep if wide is None else deep + wide
@@ -285,14 +273,69 @@ class CTransformer(nn.Module):
         The n-gram table, a linear model, learns at `ngram_lr_scale` times the rate (`lr_scale`).
         """
         wide = [] if self.ngrams is None else [self.ngrams.table.weight]
-        params = [p for p in self.parameters() if p.requires_grad and not any(p is w for w in wide)]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = decay_groups([p for p in self.parameters() if not any(p is w for w in wide)], weight_decay)
         if wide:
             groups.append({"params": wide, "weight_decay": weight_decay, "lr_scale": self.cfg.ngram_lr_scale})
         return groups
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class MaskedLM(nn.Module):
+    """The encoder with a masked-language-model head, for pretraining: predict each masked token's
+    original id from its final state (BERT's objective). The output layer shares the token
+    embedding's weights, and the head runs on the masked positions only: the (N, V) logits over the
+    whole vocabulary are most of the objective's cost, and the other positions have no target."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg, vocab_size, max_length)
+        C = cfg.d_model
+        self.transform = nn.Sequential(nn.Linear(C, C), nn.GELU(), nn.LayerNorm(C))
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        init_weights(self, cfg.n_layers)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., C) states -> (..., V) token scores."""
+        return F.linear(self.transform(h), self.encoder.tok_emb.weight, self.bias)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, accuracy) of the predictions at `picked`, (N,) flat indices into the (B, T) batch,
+        whose original ids are `targets` (N,)."""
+        h = self.encoder(ids, mask)  # (B, T, C)
+        logits = self.logits(h.flatten(0, 1)[picked])  # (N, V)
+        loss = F.cross_entropy(logits.float(), targets)
+        accuracy = (logits.detach().argmax(-1) == targets).float().mean()
+        return loss, accuracy
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return decay_groups(list(self.parameters()), weight_decay)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def init_weights(model: nn.Module, n_layers: int) -> None:
+    """Normal(0, 0.02) weights and zero biases, GPT-2 style: the projections that write into the
+    residual stream shrink with depth."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+    for name, p in model.named_parameters():
+        if name.endswith(("attn.proj.weight", "ff.2.weight")):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
+
+
+def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linear and embedding weights) only, not on biases or norms."""
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]

@@ -1,8 +1,10 @@
-"""Training as plain functions: setup -> fit -> evaluate -> save.
+"""Training, top to bottom: the schedule, the step, the loop, the run's setup, and `tfm train` itself.
 
-`train(cfg)` is what `tfm train` calls. Everything device-, precision- and rank-specific goes through
-one `Runtime`; the learning rate is a pure function of the step; TensorBoard is written in one place
-(`Logger`). Output directory: model.safetensors (best by validation accuracy), config.json,
+One `train_step` takes an optimizer step over a step's micro-batches; `train_steps` is a generator
+that yields one `StepResult` per step, and `fit` is its caller: it logs, validates, checkpoints and
+stops. What is learnt is a `Task`: the classifier here (`Classification`), the masked-LM in
+`pretrain.py`; both run through this same loop. Everything device-, precision- and rank-specific
+goes through one `Runtime`. Output directory: model.safetensors (best by validation), config.json,
 tokenizer.json, metrics.json, TensorBoard events, and checkpoints/ for exact resume.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import random
@@ -17,8 +20,10 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import Config, TrainConfig, with_legacy_values
-from transformer_cli.data import BucketSampler, Encoded, collate, prepare_train_data
+from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_model
 from transformer_cli.model import CTransformer
@@ -128,15 +133,27 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0  # current epoch
     batch_in_epoch: int = 0  # optimizer steps done within the current epoch
-    best_val_accuracy: float = -1.0
+    best_score: float = -math.inf  # the task's validation score (higher is better) of the saved model
     best_step: int = -1
     best_val: dict = field(default_factory=dict)
     bad_steps_in_row: int = 0
     bad_steps_total: int = 0
     train_time_sec: float = 0.0
     samples_seen: int = 0
-    loss_since_log: float = 0.0  # train/loss's running sum since the last log, so that a resume
-    steps_since_log: int = 0  # stopped between two logs logs the same mean as the run it continues
+    tokens_seen: int = 0
+    # Running sums of the logged statistics since the last log, so that a resume stopped between
+    # two logs logs the same means as the run it continues.
+    stats_since_log: dict = field(default_factory=dict)
+    steps_since_log: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict) -> TrainState:
+        d = dict(d)
+        if "best_val_accuracy" in d:  # checkpoints of runs from before tasks had scores
+            d["best_score"] = d.pop("best_val_accuracy")
+        if "loss_since_log" in d:
+            d["stats_since_log"] = {"loss": d.pop("loss_since_log")}
+        return cls(**d)
 
 
 class Ema:
@@ -166,22 +183,6 @@ class Ema:
             with torch.no_grad():
                 for p, o in zip(self.params, own):
                     p.copy_(o)
-
-
-@dataclass
-class Run:
-    cfg: Config
-    rt: Runtime
-    out: Path
-    model: CTransformer  # the raw module: what is saved
-    engine: torch.nn.Module  # what runs forward: the model, maybe compiled and/or DDP-wrapped
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    train: Encoded
-    val: Encoded
-    labels: list[str]
-    state: TrainState
-    ema: Ema | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -217,168 +218,244 @@ def _set_rng_state(json_part: dict, tensors: dict) -> None:
         torch.cuda.set_rng_state_all(tensors["cuda"])
 
 
-# --------------------------------------------------------------------------- setup
+# --------------------------------------------------------------------------- tasks
 
 
-def _check_output_dir(out: Path, resume: bool | str) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output directory '{out}' is a file; choose another --output-dir")
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"output directory '{out}' cannot be written ('{existing}' is not writable); "
-                         "choose another --output-dir")
-    if resume is True:
-        return
-    # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
-    # a run that died then has nothing to lose, so it may be started again in the same folder.
-    if ckpt.checkpoint_dirs(out) or (out / ckpt.MODEL_FILE).exists() or (out / ckpt.METRICS_FILE).exists():
-        if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
-            return  # --resume-from one of this folder's own checkpoints
-        raise UsageError(
-            f"output directory '{out}' already holds a run; pass --resume to continue it or choose another --output-dir"
-        )
+@dataclass
+class Batch:
+    tensors: tuple  # what the task's loss reads, on the device
+    units: int  # what the loss is a mean over: examples, or predicted tokens
+    samples: int  # examples
+    tokens: int  # real tokens
 
 
-def _find_resume(out: Path, resume: bool | str) -> Path | None:
-    if not resume:
-        return None
-    if isinstance(resume, str):
-        path = Path(resume)
-        if not path.is_dir():
-            raise UsageError(f"--resume-from '{path}' is not a checkpoint directory")
-        return path
-    found = ckpt.checkpoint_dirs(out)
-    if not found:
-        raise UsageError(f"--resume: no complete checkpoint in '{out / ckpt.CKPT_DIR}'; start without --resume")
-    return found[-1]
+class Task(Protocol):
+    """What a run learns: its batches, its loss, and how it is validated."""
+
+    prefix: str  # TensorBoard tags: PREFIX/loss, PREFIX/lr, ...
+    lengths: np.ndarray  # (N,) tokens of each training example, for the bucketed sampler
+    num_train: int
+    num_val: int
+
+    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch: ...
+
+    def loss(self, engine: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the objective to minimise, the statistics to log), each a mean over the batch's units."""
+        ...
+
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        """(validation metrics, their TensorBoard scalars, the score that selects the saved model)."""
+        ...
 
 
-def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
-    now, saved = cfg.to_dict(), with_legacy_values(saved)
-    path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
+class Classification:
+    """Supervised training of the classifier: cross-entropy on the labels."""
 
-    def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
-        return not (section == "train" and key in RESUME_FREE) and not (
-            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
+    prefix = "train"
 
-    diffs = [
-        f"{section}.{key}: {saved[section].get(key)!r} -> {value!r}"
-        for section in ("model", "data", "train")
-        for key, value in now[section].items()
-        if saved[section].get(key) != value and matters(section, key)
-    ]
-    if saved_world != world_size:
-        diffs.append(f"world size: {saved_world} -> {world_size}")
-    if diffs and not force:
-        raise UsageError(
-            "the resumed run's settings differ from the checkpoint's (" + "; ".join(diffs[:4])
-            + "); run the same command plus --resume, or add --force to accept the change"
-        )
+    def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int):
+        self.train, self.val, self.labels = train, val, labels
+        self.label_smoothing, self.eval_batch_size = label_smoothing, eval_batch_size
+        self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
 
+    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
+        ids, mask, y = rt.tensors(*collate(self.train, idx))
+        return Batch((ids, mask, y), len(idx), len(idx), int(self.lengths[idx].sum()))
 
-def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
-    tc = cfg.train
-    out = Path(tc.output_dir)
-    _check_output_dir(out, resume)
-    resume_dir = _find_resume(out, resume)
-    per_rank, rem = divmod(tc.batch_size, tc.grad_accum_steps * rt.world_size)
-    if rem or per_rank == 0:
-        raise UsageError(
-            f"train.batch_size = {tc.batch_size} must be a multiple of grad_accum_steps x processes "
-            f"= {tc.grad_accum_steps} x {rt.world_size}"
-        )
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    seed_everything(tc.seed)
+    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, mask, y = batch.tensors
+        logits, objective = engine(ids, mask, y, self.label_smoothing)
+        # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures (the
+        # objective may add label smoothing and the n-gram path's own loss).
+        return objective, {"loss": F.cross_entropy(logits.detach().float(), y)}
 
-    # Rank 0 trains the tokenizer and fills the cache; the others then read it. A resumed run keeps
-    # the tokenizer its weights were trained with, even if --force changed what would train another.
-    tokenizer = _load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
-    needed = ("test",) if tc.test_at_end else ()  # refused now rather than after training
-    if rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed, tokenizer, needed)
-    rt.barrier()
-    if not rt.is_main:
-        data = prepare_train_data(cfg.data, tc.seed, tokenizer, needed)
-
-    # The run's config says what it validated on ("" = a part held out of train), whatever the dataset
-    # gains later: resume compares it, and `tfm evaluate --split validation` reads it.
-    cfg = cfg.replace(data={"val_split": data.val_split})
-    vocab_size = data.tokenizer.get_vocab_size()
-    model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels)).to(rt.device)
-    torch.manual_seed(tc.seed + rt.rank)  # dropout streams differ per rank; init is identical
-    optimizer = make_optimizer(model, tc, rt.device)
-    scaler = rt.grad_scaler()
-    ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
-    state = TrainState()
-    if resume_dir is not None:
-        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
-    if rt.is_main:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir")
-        ckpt.remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
-        ckpt.save_model_files(out, cfg.to_dict(), data.tokenizer.to_str(), data.labels, vocab_size)
-    engine: torch.nn.Module = model
-    if tc.compile:
-        engine = torch.compile(engine)
-    if rt.distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        engine = DistributedDataParallel(engine, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-    return Run(cfg, rt, out, model, engine, optimizer, scaler, data.train, data.val, data.labels, state, ema)
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        m = evaluate_model(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels))
+        return m, {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/f1": m["f1"]}, m["accuracy"]
 
 
-def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
-             force: bool) -> TrainState:
-    train_json, tensors = ckpt.load_checkpoint(path)
-    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
-    ckpt.load_weights(model, path / ckpt.MODEL_FILE)
-    try:
-        # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
-        # group's lr_scale) stay this run's, which differ from the checkpoint's only under --force.
-        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        optimizer.load_state_dict(tensors["optimizer"])
-        for group, own in zip(optimizer.param_groups, settings, strict=True):
-            group.update(own)
-        scaler.load_state_dict(tensors["scaler"])
-        if ema is not None:  # a run that had no average (ema_decay turned on by --force) starts one here
-            for s, saved in zip(ema.shadow, tensors.get("ema", ema.params), strict=True):
-                s.copy_(saved)
-        rng = tensors["rng"][rt.rank] if rt.rank < len(tensors["rng"]) else tensors["rng"][0]
-        _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng)
-    except (KeyError, ValueError, RuntimeError, IndexError) as e:
-        raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
-    return TrainState(**train_json["state"])
+# --------------------------------------------------------------------------- the step
 
 
-def save_checkpoint(run: Run) -> Path | None:
-    """All ranks gather their RNG states; rank 0 writes checkpoints/step-N."""
-    json_rng, tensor_rng = _rng_state()
-    json_rngs, tensor_rngs = [json_rng], [tensor_rng]
-    if run.rt.distributed:
-        json_rngs = [None] * run.rt.world_size
-        tensor_rngs = [None] * run.rt.world_size
-        torch.distributed.all_gather_object(json_rngs, json_rng)
-        torch.distributed.all_gather_object(tensor_rngs, tensor_rng)
-    path = None
-    if run.rt.is_main:
-        train_json = {
-            "state": asdict(run.state),
-            "config": run.cfg.to_dict(),
-            "world_size": run.rt.world_size,
-            "rng": json_rngs,
-        }
-        tensors = {"optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": tensor_rngs}
+@dataclass
+class Run:
+    cfg: Config
+    rt: Runtime
+    out: Path
+    model: torch.nn.Module  # the raw module: what is saved
+    engine: torch.nn.Module  # what runs forward: the model, maybe compiled and/or DDP-wrapped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    task: Task
+    state: TrainState
+    ema: Ema | None = None
+
+
+@dataclass
+class StepResult:
+    stats: dict[str, float]  # the task's statistics, means over the step's units and all ranks
+    grad_norm: float
+    finite: bool  # False: the step was skipped (non-finite loss or gradient)
+    stopping: bool  # a stop was asked for on some rank
+    samples: int  # examples in the step, all ranks
+    tokens: int
+    lr: float = 0.0
+    epoch: int = 0  # the epoch the step belongs to
+    last: bool = False  # the last step of its epoch or of the run
+
+
+def train_step(run: Run, batches: list[Batch], stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
+    """One optimizer step over micro-batches: accumulate gradients, clip, check that the loss and the
+    gradients are finite (a step that is not is skipped), step the optimizer and the weight average.
+
+    Each micro-batch weighs by its share of the step's units, so a step's loss is the mean over
+    them whatever the sizes of its micro-batches. Under DDP the ranks agree on skipping and stopping
+    in the same collective that averages the logged statistics.
+    """
+    rt, engine, scaler = run.rt, run.engine, run.scaler
+    units = sum(b.units for b in batches)
+    objective_sum: torch.Tensor | float = 0.0
+    stat_sums: dict[str, torch.Tensor | float] = {}
+    for j, batch in enumerate(batches):
+        sync = engine.no_sync() if rt.distributed and j < len(batches) - 1 else contextlib.nullcontext()
+        share = batch.units / units
+        with sync, rt.autocast():
+            objective, stats = run.task.loss(engine, batch)
+            objective = objective * share
+        scaler.scale(objective).backward()
+        objective_sum = objective_sum + objective.detach()
+        for name, value in stats.items():
+            stat_sums[name] = stat_sums.get(name, 0.0) + value * share
+    names = list(stat_sums)
+    objective_value, *values = torch.stack([torch.as_tensor(objective_sum), *map(torch.as_tensor, stat_sums.values())]
+                                           ).tolist()  # one device sync
+    scaler.unscale_(run.optimizer)
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    grad_clip = run.cfg.train.grad_clip
+    grad_norm = clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
+    finite = math.isfinite(objective_value) and (math.isfinite(grad_norm) or scaler.is_enabled())
+    samples, tokens = sum(b.samples for b in batches), sum(b.tokens for b in batches)
+    stopping = stop_requested()  # asked during this step: it still ends, and is saved, before the stop
+    if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
+        bad, stops, samples, tokens, *values = rt.all_sum([float(not finite), float(stopping), samples, tokens, *values])
+        finite, stopping, samples, tokens = bad == 0, stops > 0, int(samples), int(tokens)
+        values = [v / rt.world_size for v in values]
+    if finite:
+        scaler.step(run.optimizer)
         if run.ema is not None:
-            tensors["ema"] = run.ema.shadow
-        path = ckpt.save_checkpoint(run.out, run.state.step, run.model, train_json, tensors, run.cfg.train.keep_checkpoints)
-    run.rt.barrier()
-    return path
+            run.ema.update(run.state.step)
+    scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return StepResult(dict(zip(names, values)), grad_norm, finite, stopping, samples, tokens)
 
 
-# --------------------------------------------------------------------------- fit
+# --------------------------------------------------------------------------- the loop
+
+
+def step_groups(batches: list[np.ndarray], accum: int) -> list[list[np.ndarray]]:
+    return [batches[i : i + accum] for i in range(0, len(batches), accum)]
+
+
+def make_sampler(run: Run) -> BucketSampler:
+    tc, rt = run.cfg.train, run.rt
+    micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
+    return BucketSampler(run.task.lengths, micro * rt.world_size, tc.seed, world_size=rt.world_size, rank=rt.rank)
+
+
+def total_steps(run: Run, sampler: BucketSampler) -> int:
+    per_epoch = len(step_groups(sampler.batches(0), run.cfg.train.grad_accum_steps))
+    total = per_epoch * run.cfg.train.epochs
+    return min(total, run.cfg.train.max_steps) if run.cfg.train.max_steps else total
+
+
+def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
+    """Optimizer steps from where the run's state stands to `total`, one result each; the state is
+    advanced before each is yielded (the epoch after the last step of an epoch)."""
+    tc, st = run.cfg.train, run.state
+    sampler = make_sampler(run)
+    run.engine.train()
+    while st.step < total and st.epoch < tc.epochs:
+        groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
+        while st.batch_in_epoch < len(groups) and st.step < total:
+            lr = lr_at(st.step, total, tc)
+            for g in run.optimizer.param_groups:
+                g["lr"] = lr * g.get("lr_scale", 1.0)
+            batches = [run.task.batch(run.rt, idx) for idx in groups[st.batch_in_epoch]]
+            result = train_step(run, batches, lambda: stop.signum is not None)
+            result.lr, result.epoch = lr, st.epoch
+            st.step += 1
+            st.batch_in_epoch += 1
+            st.samples_seen += result.samples
+            st.tokens_seen += result.tokens
+            if result.finite:
+                st.bad_steps_in_row = 0
+                for name, value in result.stats.items():
+                    st.stats_since_log[name] = st.stats_since_log.get(name, 0.0) + value
+                st.steps_since_log += 1
+            else:
+                st.bad_steps_in_row += 1
+                st.bad_steps_total += 1
+            result.last = st.batch_in_epoch == len(groups) or st.step >= total
+            if st.batch_in_epoch == len(groups):
+                st.epoch += 1
+                st.batch_in_epoch = 0
+            yield result
+
+
+def fit(run: Run, logger: Logger, progress: bool = True) -> None:
+    """Train to the end: log every `log_every` steps, validate and checkpoint every so many steps and
+    at each epoch's end and the run's, and stop cleanly on SIGINT/SIGTERM."""
+    tc, rt, st, task = run.cfg.train, run.rt, run.state, run.task
+    total = total_steps(run, make_sampler(run))
+    if total == 0:
+        raise TfmError(f"{task.num_train} training examples make no full batch of {tc.batch_size}; lower --batch-size")
+    micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
+    _say(f"training {task.num_train} examples ({task.num_val} validation) for {total} steps; batch {tc.batch_size} "
+         f"= {micro} x {rt.world_size} process(es) x {tc.grad_accum_steps} accumulation; {rt.device}, {rt.precision}",
+         progress and rt.is_main)
+    bar = None
+    if progress and rt.is_main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=st.step, desc=task.prefix, unit="step", dynamic_ncols=True)
+    window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}  # throughput of the steps alone
+    t_start = time.perf_counter() - st.train_time_sec
+    with _StopFlag(run.out) as stop, contextlib.closing(bar) if bar is not None else contextlib.nullcontext():
+        for result in train_steps(run, total, stop):
+            window["samples"] += result.samples
+            window["tokens"] += result.tokens
+            if bar is not None:
+                bar.update(1)
+            if not result.finite:
+                logger.scalars(st.step, {f"{task.prefix}/bad_steps": st.bad_steps_total})
+                if st.bad_steps_in_row >= tc.max_bad_steps:
+                    raise TfmError(
+                        f"training diverged: {st.bad_steps_in_row} steps in a row had a non-finite loss or gradient "
+                        f"(at step {st.step}); lower --lr or raise train.grad_clip"
+                    )
+            if st.step % tc.log_every == 0 or st.step == total:
+                _log_train(window, result, logger, bar, run)
+            stopping = result.stopping
+            if result.last:  # validated and saved once, at the end of each epoch and of the run
+                with _untimed(window):
+                    validate(run, logger)
+                    st.train_time_sec = time.perf_counter() - t_start
+                    # A stop during the last validation still gets the checkpoint first. The ranks
+                    # agree before it, so that its barrier stays the epoch's last collective.
+                    stopping = stopping or stop.signum is not None
+                    if rt.distributed:
+                        stopping = rt.all_sum([float(stopping)])[0] > 0
+                    where = save_checkpoint(run)
+            else:
+                if tc.eval_every and st.step % tc.eval_every == 0:
+                    with _untimed(window):
+                        validate(run, logger)
+                st.train_time_sec = time.perf_counter() - t_start
+                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 or stopping:
+                    with _untimed(window):
+                        where = save_checkpoint(run)
+            if stopping:
+                raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
 
 
 class _StopFlag:
@@ -407,132 +484,14 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def step_groups(batches: list[np.ndarray], accum: int) -> list[list[np.ndarray]]:
-    return [batches[i : i + accum] for i in range(0, len(batches), accum)]
-
-
-def total_steps(run: Run, sampler: BucketSampler) -> int:
-    per_epoch = len(step_groups(sampler.batches(0), run.cfg.train.grad_accum_steps))
-    total = per_epoch * run.cfg.train.epochs
-    return min(total, run.cfg.train.max_steps) if run.cfg.train.max_steps else total
-
-
-def fit(run: Run, logger: Logger, progress: bool = True) -> None:
-    tc, rt, st = run.cfg.train, run.rt, run.state
-    micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
-    sampler = BucketSampler(run.train.lengths, micro * rt.world_size, tc.seed, True, rt.world_size, rt.rank)
-    total = total_steps(run, sampler)
-    if total == 0:
-        raise TfmError(f"{len(run.train)} training examples make no full batch of {tc.batch_size}; lower --batch-size")
-    bar = None
-    if rt.is_main:
-        _say(f"training {len(run.train)} reviews ({len(run.val)} validation) for {total} steps; batch {tc.batch_size} = "
-             f"{micro} x {rt.world_size} process(es) x {tc.grad_accum_steps} accumulation; {rt.device}, {rt.precision}",
-             progress)
-    if progress and rt.is_main:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, initial=st.step, desc="train", unit="step", dynamic_ncols=True)
-    params = [p for p in run.model.parameters() if p.requires_grad]
-    window = {"samples": 0, "t0": time.perf_counter()}  # train/samples_per_sec, this process's steps only
-    run.engine.train()
-    t_start = time.perf_counter() - st.train_time_sec
-    stopping = False
-    with _StopFlag(run.out) as stop, contextlib.closing(bar) if bar is not None else contextlib.nullcontext():
-        while st.step < total and st.epoch < tc.epochs:
-            groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
-            while st.batch_in_epoch < len(groups) and st.step < total:
-                group = groups[st.batch_in_epoch]
-                lr = lr_at(st.step, total, tc)
-                for g in run.optimizer.param_groups:
-                    g["lr"] = lr * g.get("lr_scale", 1.0)
-                loss_sum, objective_sum, n_samples = 0.0, 0.0, 0  # tensors after the first micro-batch
-                in_step = sum(len(idx) for idx in group)
-                for j, idx in enumerate(group):
-                    ids, mask, y = rt.tensors(*collate(run.train, idx))
-                    sync = run.engine.no_sync() if rt.distributed and j < len(group) - 1 else contextlib.nullcontext()
-                    share = len(idx) / in_step  # the step's loss is the mean over its examples, whatever the
-                    with sync, rt.autocast():  # sizes of its micro-batches (the epoch's last one may be short)
-                        logits, objective = run.engine(ids, mask, y, tc.label_smoothing)
-                        objective = objective * share
-                    run.scaler.scale(objective).backward()
-                    objective_sum = objective_sum + objective.detach()
-                    # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures.
-                    loss_sum = loss_sum + F.cross_entropy(logits.detach().float(), y) * share
-                    n_samples += len(idx) * rt.world_size
-                objective_sum, loss_sum = torch.stack([objective_sum, loss_sum]).tolist()  # one device sync
-                run.scaler.unscale_(run.optimizer)
-                grad_norm = clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf")).item()
-                finite = math.isfinite(objective_sum) and (math.isfinite(grad_norm) or run.scaler.is_enabled())
-                stopping = stop.signum is not None
-                if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
-                    bad, stops, loss_sum = rt.all_sum([float(not finite), float(stopping), loss_sum])
-                    finite, stopping, loss_sum = bad == 0, stops > 0, loss_sum / rt.world_size
-                if finite:
-                    run.scaler.step(run.optimizer)
-                    if run.ema is not None:
-                        run.ema.update(st.step)
-                    st.bad_steps_in_row = 0
-                else:
-                    st.bad_steps_in_row += 1
-                    st.bad_steps_total += 1
-                run.scaler.update()
-                run.optimizer.zero_grad(set_to_none=True)
-                st.step += 1
-                st.batch_in_epoch += 1
-                if not finite:
-                    logger.scalars(st.step, {"train/bad_steps": st.bad_steps_total})
-                    if st.bad_steps_in_row >= tc.max_bad_steps:
-                        raise TfmError(
-                            f"training diverged: {st.bad_steps_in_row} steps in a row had a non-finite loss or gradient "
-                            f"(at step {st.step}); lower --lr or raise train.grad_clip"
-                        )
-                else:
-                    st.loss_since_log += loss_sum
-                    st.steps_since_log += 1
-                window["samples"] += n_samples
-                st.samples_seen += n_samples
-                if bar is not None:
-                    bar.update(1)
-                if st.step % tc.log_every == 0 or st.step == total:
-                    _log_train(window, st, lr, grad_norm, logger, bar, run)
-                # The last step of an epoch or of the run is validated and saved after this loop, once.
-                last = st.batch_in_epoch == len(groups) or st.step >= total
-                if tc.eval_every and st.step % tc.eval_every == 0 and not last:
-                    with _untimed(window):
-                        validate(run, logger)
-                st.train_time_sec = time.perf_counter() - t_start
-                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 and not last:
-                    with _untimed(window):
-                        save_checkpoint(run)
-                if stopping and not last:
-                    where = save_checkpoint(run)
-                    raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
-            if st.batch_in_epoch == len(groups):
-                st.epoch += 1
-                st.batch_in_epoch = 0
-            with _untimed(window):
-                validate(run, logger)
-                st.train_time_sec = time.perf_counter() - t_start
-                # A stop on the last step of an epoch or run, or during its validation, still gets
-                # the validation and checkpoint first. The ranks agree before the checkpoint, so
-                # that its barrier stays the epoch's last collective.
-                stopping = stopping or stop.signum is not None
-                if rt.distributed:
-                    stopping = rt.all_sum([float(stopping)])[0] > 0
-                where = save_checkpoint(run)
-            if stopping:
-                raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
-
-
-def _say(message: str, progress: bool) -> None:
-    if progress:
+def _say(message: str, show: bool) -> None:
+    if show:
         print(message, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def _untimed(window: dict):
-    """Validation and checkpoints inside the loop: left out of train/samples_per_sec (they are in
+    """Validation and checkpoints inside the loop: left out of the logged throughput (they are in
     train_time_sec, the loop's wall time)."""
     t0 = time.perf_counter()
     try:
@@ -541,87 +500,325 @@ def _untimed(window: dict):
         window["t0"] += time.perf_counter() - t0
 
 
-def _log_train(window: dict, st: TrainState, lr: float, grad_norm: float, logger: Logger, bar, run: Run) -> None:
+def _log_train(window: dict, result: StepResult, logger: Logger, bar, run: Run) -> None:
+    st, prefix = run.state, run.task.prefix
     elapsed = time.perf_counter() - window["t0"]
-    values = {"train/lr": lr, "train/grad_norm": grad_norm, "train/epoch": st.epoch,
-              "train/batch_size": run.cfg.train.batch_size}
+    values = {f"{prefix}/lr": result.lr, f"{prefix}/grad_norm": result.grad_norm, f"{prefix}/epoch": result.epoch,
+              f"{prefix}/batch_size": run.cfg.train.batch_size}
     if st.steps_since_log:
-        values["train/loss"] = st.loss_since_log / st.steps_since_log
+        values.update({f"{prefix}/{name}": total / st.steps_since_log for name, total in st.stats_since_log.items()})
     if elapsed > 0:
-        values["train/samples_per_sec"] = window["samples"] / elapsed
+        values[f"{prefix}/samples_per_sec"] = window["samples"] / elapsed
+        values[f"{prefix}/tokens_per_sec"] = window["tokens"] / elapsed
     logger.scalars(st.step, values)
     if bar is not None:
-        bar.set_postfix(loss=f"{values.get('train/loss', float('nan')):.4f}", lr=f"{lr:.2e}",
-                        sps=f"{values.get('train/samples_per_sec', 0):.0f}")
-    st.loss_since_log, st.steps_since_log = 0.0, 0
-    window.update(samples=0, t0=time.perf_counter())
+        bar.set_postfix(loss=f"{values.get(f'{prefix}/loss', float('nan')):.4f}", lr=f"{result.lr:.2e}",
+                        sps=f"{values.get(f'{prefix}/samples_per_sec', 0):.0f}")
+    st.stats_since_log, st.steps_since_log = {}, 0
+    window.update(samples=0, tokens=0, t0=time.perf_counter())
 
 
 def validate(run: Run, logger: Logger) -> dict:
-    """Validation metrics; saves the weights (or their average) as the output's model when accuracy improves."""
+    """Validation metrics; saves the weights (or their average) as the output's model when the task's
+    score improves."""
     with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
-        m = evaluate_model(run.model, run.val, run.rt, run.cfg.train.eval_batch_size, len(run.labels))
-        logger.scalars(run.state.step, {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/f1": m["f1"]})
+        m, tags, score = run.task.evaluate(run)
+        logger.scalars(run.state.step, tags)
         st = run.state
         weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
-        if weights_finite and math.isfinite(m["loss"]) and m["accuracy"] > st.best_val_accuracy:
-            st.best_val_accuracy, st.best_step, st.best_val = m["accuracy"], st.step, m
+        if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
+            st.best_score, st.best_step, st.best_val = score, st.step, m
             if run.rt.is_main:
                 ckpt.atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
     return m
 
 
+def save_checkpoint(run: Run) -> Path | None:
+    """All ranks gather their RNG states; rank 0 writes checkpoints/step-N."""
+    json_rng, tensor_rng = _rng_state()
+    json_rngs, tensor_rngs = [json_rng], [tensor_rng]
+    if run.rt.distributed:
+        json_rngs = [None] * run.rt.world_size
+        tensor_rngs = [None] * run.rt.world_size
+        torch.distributed.all_gather_object(json_rngs, json_rng)
+        torch.distributed.all_gather_object(tensor_rngs, tensor_rng)
+    path = None
+    if run.rt.is_main:
+        train_json = {
+            "state": asdict(run.state),
+            "config": run.cfg.to_dict(),
+            "world_size": run.rt.world_size,
+            "rng": json_rngs,
+        }
+        tensors = {"optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": tensor_rngs}
+        if run.ema is not None:
+            tensors["ema"] = run.ema.shadow
+        path = ckpt.save_checkpoint(run.out, run.state.step, run.model, train_json, tensors, run.cfg.train.keep_checkpoints)
+    run.rt.barrier()
+    return path
+
+
+# --------------------------------------------------------------------------- setup
+
+
+def check_output_dir(out: Path, resume: bool | str) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output directory '{out}' is a file; choose another --output-dir")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"output directory '{out}' cannot be written ('{existing}' is not writable); "
+                         "choose another --output-dir")
+    if resume is True:
+        return
+    # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
+    # a run that died then has nothing to lose, so it may be started again in the same folder.
+    if ckpt.checkpoint_dirs(out) or (out / ckpt.MODEL_FILE).exists() or (out / ckpt.METRICS_FILE).exists():
+        if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
+            return  # --resume-from one of this folder's own checkpoints
+        raise UsageError(
+            f"output directory '{out}' already holds a run; pass --resume to continue it or choose another --output-dir"
+        )
+
+
+def find_resume(out: Path, resume: bool | str) -> Path | None:
+    if not resume:
+        return None
+    if isinstance(resume, str):
+        path = Path(resume)
+        if not path.is_dir():
+            raise UsageError(f"--resume-from '{path}' is not a checkpoint directory")
+        return path
+    found = ckpt.checkpoint_dirs(out)
+    if not found:
+        raise UsageError(f"--resume: no complete checkpoint in '{out / ckpt.CKPT_DIR}'; start without --resume")
+    return found[-1]
+
+
+def check_batch_size(tc: TrainConfig, rt: Runtime) -> None:
+    per_rank, rem = divmod(tc.batch_size, tc.grad_accum_steps * rt.world_size)
+    if rem or per_rank == 0:
+        raise UsageError(
+            f"train.batch_size = {tc.batch_size} must be a multiple of grad_accum_steps x processes "
+            f"= {tc.grad_accum_steps} x {rt.world_size}"
+        )
+
+
+def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
+    now, saved = cfg.to_dict(), with_legacy_values(saved)
+    path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
+
+    def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
+        return not (section == "train" and key in RESUME_FREE) and not (
+            path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
+
+    diffs = [
+        f"{section}.{key}: {saved.get(section, {}).get(key)!r} -> {value!r}"
+        for section in now
+        for key, value in now[section].items()
+        if saved.get(section, {}).get(key, value) != value and matters(section, key)
+    ]
+    if saved_world != world_size:
+        diffs.append(f"world size: {saved_world} -> {world_size}")
+    if diffs and not force:
+        raise UsageError(
+            "the resumed run's settings differ from the checkpoint's (" + "; ".join(diffs[:4])
+            + "); run the same command plus --resume, or add --force to accept the change"
+        )
+
+
+def on_every_rank(rt: Runtime, prepare):
+    """`prepare()` on rank 0 first (it trains the tokenizer and fills the caches), then on the others,
+    which read the caches."""
+    if rt.is_main:
+        result = prepare()
+    rt.barrier()
+    if not rt.is_main:
+        result = prepare()
+    return result
+
+
+def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resume_dir: Path | None, force: bool,
+              files: dict[str, str]) -> Run:
+    """The optimizer, loss scaler and weight average for `model`, restored from `resume_dir` if given;
+    writes `files` (name -> text: config.json, tokenizer.json) into the output directory."""
+    tc = cfg.train
+    out = Path(tc.output_dir)
+    model = model.to(rt.device)
+    torch.manual_seed(tc.seed + rt.rank)  # dropout streams differ per rank; init is identical
+    optimizer = make_optimizer(model, tc, rt.device)
+    scaler = rt.grad_scaler()
+    ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
+    state = TrainState()
+    if resume_dir is not None:
+        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
+    if rt.is_main:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir")
+        ckpt.remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
+        for name, text in files.items():
+            ckpt.atomic_write_text(out / name, text)
+    engine: torch.nn.Module = model
+    if tc.compile:
+        engine = torch.compile(engine)
+    if rt.distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        engine = DistributedDataParallel(engine, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    return Run(cfg, rt, out, model, engine, optimizer, scaler, task, state, ema)
+
+
+def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
+             force: bool) -> TrainState:
+    train_json, tensors = ckpt.load_checkpoint(path)
+    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
+    ckpt.load_weights(model, path / ckpt.MODEL_FILE)
+    try:
+        # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
+        # group's lr_scale) stay this run's, which differ from the checkpoint's only under --force.
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        optimizer.load_state_dict(tensors["optimizer"])
+        for group, own in zip(optimizer.param_groups, settings, strict=True):
+            group.update(own)
+        scaler.load_state_dict(tensors["scaler"])
+        if ema is not None:  # a run that had no average (ema_decay turned on by --force) starts one here
+            for s, saved in zip(ema.shadow, tensors.get("ema", ema.params), strict=True):
+                s.copy_(saved)
+        rng = tensors["rng"][rt.rank] if rt.rank < len(tensors["rng"]) else tensors["rng"][0]
+        _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng)
+    except (KeyError, ValueError, RuntimeError, IndexError) as e:
+        raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
+    return TrainState.from_json(train_json["state"])
+
+
+def load_encoder(encoder: torch.nn.Module, model_dir: Path) -> None:
+    """Load the encoder weights of a `tfm pretrain` (or `tfm train`) output directory into `encoder`:
+    the `encoder.*` tensors of its model.safetensors, which must match name for name and shape for shape."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / ckpt.MODEL_FILE
+    try:
+        tensors = load_file(str(path))
+    except FileNotFoundError:
+        raise TfmError(f"--init-from '{model_dir}' has no {ckpt.MODEL_FILE}; pass the output directory of `tfm pretrain`") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise TfmError(f"weights file '{path}' is damaged or not safetensors ({e})") from None
+    mine = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
+    theirs = {k: v for k, v in tensors.items() if k.startswith("encoder.")}
+    wrong = sorted(set(mine) ^ set(theirs)) or [k for k, v in mine.items() if v.shape != theirs[k].shape]
+    if wrong:
+        raise TfmError(f"the encoder in '{path}' does not fit this model ({wrong[0]}); "
+                       "it comes from another model or version")
+    if not all(t.isfinite().all() for t in theirs.values() if t.is_floating_point()):
+        raise TfmError(f"the encoder in '{path}' has NaN or inf weights; pretrain again")
+    encoder.load_state_dict({k.removeprefix("encoder."): v for k, v in theirs.items()})
+
+
+def load_tokenizer(out: Path):
+    """The tokenizer of the run in `out`; None if it has none (a checkpoint folder copied alone)."""
+    from tokenizers import Tokenizer
+
+    path = out / ckpt.TOKENIZER_FILE
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+
+def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
+    """The classifier's run: output folder checked, data prepared, model built (from a pretrained
+    encoder with `train.init_from`), optimizer ready, restored on resume."""
+    tc = cfg.train
+    out = Path(tc.output_dir)
+    check_output_dir(out, resume)
+    resume_dir = find_resume(out, resume)
+    check_batch_size(tc, rt)
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    seed_everything(tc.seed)
+
+    # A resumed run keeps the tokenizer its weights were trained with, even if --force changed what
+    # would train another; a fine-tuned one reads its pretrained encoder's.
+    tokenizer = None
+    if resume_dir is not None:
+        tokenizer = load_tokenizer(resume_dir.parent.parent)
+    elif tc.init_from:
+        tokenizer = load_tokenizer(Path(tc.init_from))
+    needed = ("test",) if tc.test_at_end else ()  # refused now rather than after training
+    data = on_every_rank(rt, lambda: prepare_train_data(cfg.data, tc.seed, tokenizer, needed))
+
+    # The run's config says what it validated on ("" = a part held out of train), whatever the dataset
+    # gains later: resume compares it, and `tfm evaluate --split validation` reads it.
+    cfg = cfg.replace(data={"val_split": data.val_split})
+    vocab_size = data.tokenizer.get_vocab_size()
+    model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels))
+    if tc.init_from and resume_dir is None:
+        load_encoder(model.encoder, Path(tc.init_from))
+    task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size)
+    meta = {"format_version": ckpt.FORMAT_VERSION, "labels": data.labels, "vocab_size": vocab_size, **cfg.to_dict()}
+    files = {ckpt.CONFIG_FILE: json.dumps(meta, indent=2) + "\n", ckpt.TOKENIZER_FILE: data.tokenizer.to_str()}
+    return build_run(cfg, rt, model, task, resume_dir, force, files)
+
+
 # --------------------------------------------------------------------------- the command
 
 
-def train(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True) -> dict:
-    """Run `tfm train`: returns the metrics that are also written to metrics.json."""
-    rt = make_runtime(cfg.train.device, cfg.train.precision)
+def run_to_end(rt: Runtime, make_run, finish, resume: bool | str, progress: bool) -> dict:
+    """Set up a run, fit it, finish it (its metrics) and shut the runtime down, whatever happens."""
+    run = None
     try:
-        run = setup(cfg, rt, resume, force)
+        run = make_run()
         logger = Logger(run.out, rt, purge_step=run.state.step + 1 if resume else None)
         try:
             fit(run, logger, progress)
-            metrics = finish(run, logger)
+            return finish(run, logger)
         finally:
             logger.close()
-        return metrics
     finally:
         # The DDP wrapper holds the process group, and modules with hooks sit in reference cycles:
         # free them before the group is destroyed. Left to the interpreter's exit, a gloo rank
-        # aborted there now and then ("terminate called without an active exception", no Python
-        # frame left): 2 of 35 two-process runs without this collection, none of 45 with it.
+        # aborted there now and then ("terminate called without an active exception").
         run = None
         if rt.distributed:
             gc.collect()
         shutdown(rt)
 
 
-def finish(run: Run, logger: Logger) -> dict:
-    st, tc = run.state, run.cfg.train
+def train(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True) -> dict:
+    """Run `tfm train`: returns the metrics that are also written to metrics.json."""
+    rt = make_runtime(cfg.train.device, cfg.train.precision)
+    return run_to_end(rt, lambda: setup(cfg, rt, resume, force), finish, resume, progress)
+
+
+def run_metrics(run: Run) -> dict:
+    """What every run's metrics.json holds: steps, time, throughput, hardware, size, best validation."""
+    st = run.state
     if st.best_step < 0:
         raise TfmError("training diverged: no validation pass had finite weights and loss, so no model was saved; "
                        "lower --lr and train into a new --output-dir")
-    metrics = {
+    seconds = st.train_time_sec
+    return {
         "best_step": st.best_step,
         "steps": st.step,
         "epochs": st.epoch,
-        "train_time_sec": st.train_time_sec,
-        "samples_per_sec": st.samples_seen / st.train_time_sec if st.train_time_sec > 0 else 0.0,
+        "train_time_sec": seconds,
+        "samples_per_sec": st.samples_seen / seconds if seconds > 0 else 0.0,
+        "tokens_per_sec": st.tokens_seen / seconds if seconds > 0 else 0.0,
         "bad_steps": st.bad_steps_total,
         "precision": run.rt.precision,
         "device": str(run.rt.device),
         "world_size": run.rt.world_size,
-        "num_params": run.model.num_params(),
+        "num_params": sum(p.numel() for p in run.model.parameters()),
         "val": st.best_val,
     }
-    if tc.test_at_end:
-        from transformer_cli.data import prepare_eval_data
 
-        tokenizer = _load_tokenizer(run.out)
+
+def finish(run: Run, logger: Logger) -> dict:
+    st, tc, task = run.state, run.cfg.train, run.task
+    metrics = run_metrics(run)
+    if tc.test_at_end:
         ckpt.load_weights(run.model, run.out / ckpt.MODEL_FILE)
-        test = prepare_eval_data(run.cfg.data, tokenizer, "test", run.cfg.data.max_eval_samples)
-        metrics["test"] = evaluate_model(run.model, test, run.rt, tc.eval_batch_size, len(run.labels))
+        test = prepare_eval_data(run.cfg.data, load_tokenizer(run.out), "test", run.cfg.data.max_eval_samples)
+        metrics["test"] = evaluate_model(run.model, test, run.rt, tc.eval_batch_size, len(task.labels))
         logger.scalars(st.step, {"test/accuracy": metrics["test"]["accuracy"], "test/loss": metrics["test"]["loss"]})
     hp = {f"{s}.{k}": v for s, sec in run.cfg.to_dict().items() for k, v in sec.items() if v is not None}
     final = {"hparam/val_accuracy": st.best_val.get("accuracy", 0.0), "hparam/val_loss": st.best_val.get("loss", 0.0)}
@@ -631,11 +828,3 @@ def finish(run: Run, logger: Logger) -> dict:
     if run.rt.is_main:
         ckpt.write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
-
-
-def _load_tokenizer(out: Path):
-    """The tokenizer of the run in `out`; None if it has none (a checkpoint folder copied alone)."""
-    from tokenizers import Tokenizer
-
-    path = out / ckpt.TOKENIZER_FILE
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
