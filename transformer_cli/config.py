@@ -8,6 +8,7 @@ A run is described by one `Config` with three sections (`model`, `data`, `train`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import types
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 import tomllib
 
-from transformer_cli.errors import UsageError
+from transformer_cli.errors import TfmError, UsageError
 
 MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers library aborts on huge ones)
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
@@ -206,6 +207,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = 2
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
+    init_from: str | None = None  # a `tfm pretrain` output directory: its encoder and tokenizer start the model
 
     def validate(self) -> None:
         if not self.output_dir.strip():
@@ -249,7 +251,30 @@ class TrainConfig(_Section):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
 
 
-SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+@dataclass(frozen=True)
+class PretrainConfig(_Section):
+    """`tfm pretrain`: self-supervised training of the encoder on unlabelled text."""
+
+    _name = "pretrain"
+    objective: Literal["mlm"] = "mlm"  # masked-language modelling (BERT's)
+    mask_prob: float = 0.15  # share of each text's tokens the objective predicts (80% [MASK], 10% random, 10% kept)
+    splits: list[str] = field(default_factory=lambda: ["unsupervised", "train"])  # the source's splits read as text
+    val_texts: int = 1000  # texts held out to measure the objective on
+    shard_texts: int = 8192  # texts tokenized at a time into the memory-mapped token file
+
+    def validate(self) -> None:
+        if not 0.0 < self.mask_prob < 1.0:
+            self._fail("mask_prob", "must be in (0, 1)")
+        if not self.splits or "test" in self.splits:
+            self._fail("splits", "must name at least one split, and never test (it is kept for the final report)")
+        if self.val_texts < 1:
+            self._fail("val_texts", "must be at least 1")
+        if self.shard_texts < 1:
+            self._fail("shard_texts", "must be at least 1")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "pretrain": PretrainConfig}
+SECTION_NAMES = ", ".join(SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -257,6 +282,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
@@ -291,9 +317,9 @@ def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:
 def _check_sections(d: dict[str, Any]) -> None:
     for key, value in d.items():
         if key not in SECTIONS:
-            raise UsageError(f"unknown config section '{key}'; valid sections: model, data, train")
+            raise UsageError(f"unknown config section '{key}'; valid sections: {SECTION_NAMES}")
         if not isinstance(value, dict):
-            raise UsageError(f"config key '{key}' must be a [{key}] table; put fields under [model], [data] or [train]")
+            raise UsageError(f"config key '{key}' must be a [{key}] table; put fields under [model], [data], [train] or [pretrain]")
 
 
 def parse_value(text: str) -> Any:
@@ -313,7 +339,7 @@ def apply_overrides(d: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
         if not name or "." in name:
             raise UsageError(f"override '{key}' must look like SECTION.FIELD=VALUE, e.g. train.lr=3e-4")
         if section not in SECTIONS:
-            raise UsageError(f"unknown config section '{section}' in override '{key}'; valid sections: model, data, train")
+            raise UsageError(f"unknown config section '{section}' in override '{key}'; valid sections: {SECTION_NAMES}")
         out.setdefault(section, {})[name] = value
     return out
 
@@ -343,5 +369,49 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     d = read_toml(path) if path is not None else {}
-    return Config.from_dict(apply_overrides(d, overrides or {}))
+    return Config.from_dict(with_encoder_of(apply_overrides(d, overrides or {})))
+
+
+FORMAT_VERSION = 1  # of a run's config.json
+# What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index.
+ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "norm", "pos_emb"),
+                  "data": ("tokenizer", "vocab_size", "lowercase", "max_length")}
+
+
+def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
+    """With `train.init_from`: the encoder's sizes and tokenizer settings taken from that directory's
+    config.json, and init_from made absolute. A setting in `d` that contradicts them is refused."""
+    init = d.get("train", {}).get("init_from")
+    if not init:
+        return d
+    if not isinstance(init, str):
+        raise UsageError(f"train.init_from = {init!r}: expected a directory path")
+    folder = Path(init).expanduser()
+    if not folder.is_dir():
+        what = "is a file, not a directory" if folder.exists() else "does not exist"
+        raise UsageError(f"--init-from '{init}' {what}; pass the output directory of `tfm pretrain`")
+    path = folder / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TfmError(f"--init-from '{init}' has no config.json; pass the output directory of `tfm pretrain`") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TfmError(f"'{path}' is unreadable ({e}); pretrain again") from None
+    if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
+        version = saved.get("format_version") if isinstance(saved, dict) else None
+        raise TfmError(f"'{path}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    out = {section: dict(values) for section, values in d.items()}
+    out["train"]["init_from"] = str(folder.resolve())
+    for section, keys in ENCODER_FIELDS.items():
+        for key in keys:
+            try:
+                theirs = saved[section][key]
+            except (KeyError, TypeError):
+                raise TfmError(f"'{path}' is incomplete: it has no {section}.{key}; pretrain again") from None
+            mine = out.setdefault(section, {}).get(key, theirs)
+            if mine != theirs:
+                raise UsageError(f"{section}.{key} = {mine!r} contradicts the pretrained encoder in '{init}' "
+                                 f"({theirs!r}); leave it out: the encoder's sizes and tokenizer come from there")
+            out[section][key] = theirs
+    return out
 

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,8 @@ ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in 
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
-FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+                 ".txt": "text"}  # .txt: one text per line, in a column "text" (for `tfm pretrain`)
 
 
 @dataclass
@@ -87,17 +89,12 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...],
     """The requested splits of `cfg.source`, and those of the `optional` ones it has; the label names."""
     source = cfg.source
     path = Path(source)
-    if "=" in source and not path.exists():
-        parts = [part.split("=", 1) for part in source.split(",")]
-        if any(len(p) != 2 or not p[0] or not p[1] for p in parts):
-            raise UsageError(f"data source '{source}': write named files as SPLIT=FILE[,SPLIT=FILE...], "
-                             "e.g. train=a.csv,test=b.csv")
-        return _from_hf_files(dict(parts), cfg, splits, optional)
+    files = named_files(source)
+    if files is not None:
+        return _from_hf_files(files, cfg, splits, optional)
     if path.is_file():
         if source.endswith((".tar.gz", ".tgz")):
             return _from_acl_tarball(path, splits)
-        if path.suffix.lower() in FILE_BUILDERS:
-            return _from_hf_files({"train": source}, cfg, splits, optional)
         raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
     if path.is_dir():
         acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
@@ -123,24 +120,33 @@ def looks_like_path(source: str) -> bool:
 
 
 def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
+    return _from_dataset_dict(open_dataset(source), cfg, splits, source, optional)
+
+
+def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
+    return _from_dataset_dict(open_dataset_files(files), cfg, splits, ", ".join(files.values()), optional)
+
+
+def open_dataset(source: str):
+    """The `datasets.DatasetDict` of a Hub id or a Hub-layout folder: Arrow tables, memory-mapped."""
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
-        ds = datasets.load_dataset(source, trust_remote_code=False)
+        return datasets.load_dataset(source, trust_remote_code=False)
     except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
         raise TfmError(
             f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH"
         ) from None
-    return _from_dataset_dict(ds, cfg, splits, source, optional)
 
 
-def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
+def open_dataset_files(files: dict[str, str]):
+    """The `datasets.DatasetDict` of data files, one per split name, all of one type (FILE_BUILDERS)."""
     import datasets
 
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
     suffixes = {Path(f).suffix.lower() for f in files.values()}
     for f in files.values():
@@ -151,10 +157,22 @@ def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ..
     suffix = next(iter(suffixes))
     kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
     try:
-        ds = datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
+        return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:
         raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
-    return _from_dataset_dict(ds, cfg, splits, ", ".join(files.values()), optional)
+
+
+def named_files(source: str) -> dict[str, str] | None:
+    """SPLIT=FILE[,SPLIT=FILE...] as {split: file}; one data file as {"train": file}; else None."""
+    if "=" in source and not Path(source).exists():
+        parts = [part.split("=", 1) for part in source.split(",")]
+        if any(len(p) != 2 or not p[0] or not p[1] for p in parts):
+            raise UsageError(f"data source '{source}': write named files as SPLIT=FILE[,SPLIT=FILE...], "
+                             "e.g. train=a.csv,test=b.csv")
+        return dict(parts)
+    if Path(source).is_file() and Path(source).suffix.lower() in FILE_BUILDERS:
+        return {"train": source}
+    return None
 
 
 def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, optional: tuple[str, ...] = ()):
@@ -276,7 +294,8 @@ def _key(*parts) -> str:
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def train_tokenizer(texts: list[str], cfg: DataConfig):
+def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
+    """A WordPiece or BPE tokenizer trained on `texts` (any iterable: it is read once, as a stream)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
@@ -294,7 +313,7 @@ def train_tokenizer(texts: list[str], cfg: DataConfig):
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    tok.train_from_iterator(texts, trainer=trainer, length=length if length is not None else len(texts))
     return tok
 
 

@@ -1,0 +1,282 @@
+"""`tfm pretrain` (masked-LM on unlabelled text) and fine-tuning from its encoder (`train.init_from`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_examples, read_scalars, tiny_config
+from safetensors.torch import load_file, save_file
+
+from transformer_cli import checkpoint as ckpt
+from transformer_cli.config import ModelConfig
+from transformer_cli.data import CLS_ID, PAD_ID, encode_texts
+from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.model import MaskedLM
+from transformer_cli.pretrain import (MASK_ID, load_token_file, mask_tokens, prepare_corpus, pretrain,
+                                      text_splits, write_token_file)
+from transformer_cli.train import setup, train
+from transformer_cli.runtime import make_runtime
+
+VOCAB = 60
+
+
+def batch(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    ids = torch.randint(5, VOCAB, (len(lengths), T), generator=g)
+    ids[:, 0] = CLS_ID
+    mask = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    return ids.masked_fill(~mask, PAD_ID), mask
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+def test_masking_picks_real_tokens_only_and_replaces_them_as_bert_does():
+    ids, mask = batch([200, 150, 90, 1] * 50)
+    masked, picked, targets = mask_tokens(ids, mask, 0.15, VOCAB, torch.Generator().manual_seed(1))
+    flat_mask = mask.clone()
+    flat_mask[:, 0] = False
+    assert flat_mask.view(-1)[picked].all()  # never [CLS] or padding
+    assert torch.equal(targets, ids.view(-1)[picked])
+    share = len(picked) / flat_mask.sum().item()
+    assert 0.14 < share < 0.16
+    new = masked.view(-1)[picked]
+    as_mask = (new == MASK_ID).float().mean().item()
+    kept = (new == targets).float().mean().item()
+    assert 0.77 < as_mask < 0.83 and 0.08 < kept < 0.13  # 80% [MASK]; 10% kept (+ random draws of the same id)
+    untouched = torch.ones(masked.numel(), dtype=torch.bool)
+    untouched[picked] = False
+    assert torch.equal(masked.view(-1)[untouched], ids.view(-1)[untouched])
+
+
+def test_masking_picks_at_least_one_token():
+    ids, mask = batch([3, 2])
+    _, picked, _ = mask_tokens(ids, mask, 1e-6, VOCAB, torch.Generator().manual_seed(0))
+    assert len(picked) == 1 and picked.item() % ids.size(1) != 0
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_masked_lm_loss_equals_the_straightforward_full_vocabulary_loss(norm):
+    """The head runs on the picked positions only; the reference scores every position and ignores
+    the unpicked ones in the loss."""
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, ff_mult=2, dropout=0.0, norm=norm, ngram_buckets=0)
+    torch.manual_seed(0)
+    model = MaskedLM(cfg, VOCAB, 64)
+    ids, mask = batch([40, 25, 7, 33], seed=3)
+    masked, picked, targets = mask_tokens(ids, mask, 0.3, VOCAB, torch.Generator().manual_seed(2))
+    loss, accuracy = model(masked, mask, picked, targets)
+    loss.backward()
+    fast = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    labels = torch.full_like(ids, -100).view(-1)
+    labels[picked] = targets
+    logits = model.logits(model.encoder(masked, mask))  # (B, T, V)
+    reference = F.cross_entropy(logits.view(-1, VOCAB), labels, ignore_index=-100)
+    reference.backward()
+    torch.testing.assert_close(loss, reference)
+    expected_accuracy = (logits.view(-1, VOCAB)[picked].argmax(-1) == targets).float().mean()
+    torch.testing.assert_close(accuracy, expected_accuracy)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(fast[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_the_output_layer_shares_the_token_embedding():
+    model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, ngram_buckets=0), VOCAB, 32)
+    names = [n for n, _ in model.named_parameters()]
+    assert "encoder.tok_emb.weight" in names and not any("decoder" in n for n in names)
+    h = torch.randn(3, 16)
+    expected = model.transform(h) @ model.encoder.tok_emb.weight.T + model.bias
+    torch.testing.assert_close(model.logits(h), expected)
+
+
+# --------------------------------------------------------------------------- text larger than memory
+
+
+def pretrain_config(data: Path | str, out: Path, **overrides):
+    return tiny_config(data, out, **overrides)
+
+
+def test_the_token_file_written_in_small_chunks_is_memory_mapped_and_equals_encoding_at_once(
+        synthetic_data_dir, tmp_path):
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__shard_texts=7)
+    corpus = prepare_corpus(cfg)
+    texts = [r["text"] for r in map(json.loads, (synthetic_data_dir / "train.jsonl").read_text().splitlines())]
+    ids, offsets = encode_texts(corpus.tokenizer, texts, cfg.data.max_length, cfg.data.truncation,
+                                cfg.data.head_fraction)
+    assert isinstance(corpus.texts.ids, np.memmap)  # read from disk as batches need it, never loaded whole
+    assert np.array_equal(corpus.texts.offsets, offsets)
+    assert np.array_equal(np.asarray(corpus.texts.ids), ids)
+    assert len(corpus.val_idx) == cfg.pretrain.val_texts and len(corpus.train_idx) == len(texts) - cfg.pretrain.val_texts
+    assert not set(corpus.val_idx) & set(corpus.train_idx)
+
+
+def test_the_token_file_is_written_chunk_by_chunk(synthetic_data_dir, tmp_path):
+    """Each chunk is encoded and written before the next is read: the writer never holds two."""
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run")
+    corpus = prepare_corpus(cfg)
+    held = []
+
+    def chunks():
+        for i in range(5):
+            held.append(i)
+            yield [f"text number {i} " * (i + 1)] * 3
+            held.remove(i)
+
+    enc = write_token_file(tmp_path / "tokens", corpus.tokenizer, chunks(), cfg)
+    assert len(enc) == 15 and held == []
+    assert load_token_file(tmp_path / "tokens", 15) is not None
+    assert load_token_file(tmp_path / "tokens", 14) is None  # a file of other texts is not taken
+
+
+def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path):
+    lines = [r["text"] for r in make_examples(120, seed=5)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = pretrain_config(path, tmp_path / "run")
+    (table,) = text_splits(cfg)
+    assert table["text"] == lines
+    with pytest.raises(UsageError, match="never test"):
+        pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
+
+
+def test_a_missing_split_is_one_clear_error(synthetic_data_dir, tmp_path):
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__splits=["unlabelled"])
+    with pytest.raises(UsageError, match="has no split unlabelled"):
+        text_splits(cfg)
+
+
+# --------------------------------------------------------------------------- a run
+
+
+@pytest.fixture(scope="module")
+def pretrained(synthetic_data_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("pretrained") / "run"
+    metrics = pretrain(pretrain_config(synthetic_data_dir, out, train__epochs=3),
+                       progress=False)
+    return out, metrics
+
+
+def test_a_pretraining_run_writes_the_encoder_and_the_documented_files(pretrained):
+    out, metrics = pretrained
+    names = {p.name for p in out.iterdir() if not p.name.startswith("events.out.tfevents.")}
+    assert names == {ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE, ckpt.CKPT_DIR}
+    weights = load_file(out / ckpt.MODEL_FILE)
+    assert "encoder.tok_emb.weight" in weights and "bias" in weights
+    meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
+    assert meta["kind"] == "pretrained encoder" and meta["pretrain"]["objective"] == "mlm"
+    assert json.loads((out / ckpt.METRICS_FILE).read_text()) == metrics
+
+
+def test_pretraining_logs_its_objective(pretrained):
+    out, metrics = pretrained
+    scalars = read_scalars(out)
+    for tag in ("loss", "accuracy", "lr", "grad_norm", "tokens_per_sec"):
+        assert f"pretrain/{tag}" in scalars, tag
+    val = scalars["pretrain_val/loss"]
+    assert [s for s, _ in val] == [s for s, _ in scalars["pretrain_val/accuracy"]] and len(val) == 3  # epoch ends
+    assert metrics["val"]["loss"] == pytest.approx(min(v for _, v in val))
+
+
+def test_pretraining_learns_a_language_whose_masked_words_follow_from_their_neighbours(tmp_path):
+    """Each line counts through a cycle of 10 words from a random start: a masked word is given by the
+    words beside it, which a model that reads its context predicts (chance: 1 in 10)."""
+    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(words[(start + i) % 10] for i in range(12)) for start in rng.integers(0, 10, 600)]
+    corpus = tmp_path / "counting.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    metrics = pretrain(pretrain_config(corpus, tmp_path / "run", train__epochs=16, train__batch_size=32,
+                                       model__d_model=64, model__n_layers=2), progress=False)
+    assert metrics["val"]["accuracy"] > 0.5
+
+
+def test_pretraining_resumes_exactly(synthetic_data_dir, tmp_path):
+    full = tmp_path / "full"
+    pretrain(pretrain_config(synthetic_data_dir, full, train__max_steps=12, train__checkpoint_every=5), progress=False)
+    cut = tmp_path / "cut"
+    pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=5, train__checkpoint_every=5), progress=False)
+    with pytest.raises(UsageError, match="differ"):
+        pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=12, train__checkpoint_every=5,
+                                 pretrain__mask_prob=0.2), resume=True, progress=False)
+    pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=12, train__checkpoint_every=5), resume=True,
+             progress=False)
+    a, b = (load_file(ckpt.checkpoint_dirs(d)[-1] / ckpt.MODEL_FILE) for d in (full, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- fine-tuning from it
+
+
+def test_fine_tuning_starts_from_the_pretrained_encoder_and_its_tokenizer(pretrained, synthetic_data_dir, tmp_path):
+    out, _ = pretrained
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))
+    run = setup(cfg, make_runtime("cpu", "fp32"))
+    saved = load_file(out / ckpt.MODEL_FILE)
+    for name, tensor in run.model.encoder.state_dict().items():
+        assert torch.equal(tensor, saved[f"encoder.{name}"]), name
+    assert (tmp_path / "ft" / ckpt.TOKENIZER_FILE).read_text() == (out / ckpt.TOKENIZER_FILE).read_text()
+    meta = json.loads((tmp_path / "ft" / ckpt.CONFIG_FILE).read_text())
+    assert meta["train"]["init_from"] == str(out.resolve())  # where the encoder came from
+
+
+def test_fine_tuning_takes_the_encoders_sizes_and_refuses_contradicting_ones(pretrained, synthetic_data_dir,
+                                                                             tmp_path):
+    out, _ = pretrained
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))
+    assert cfg.model.d_model == 32 and cfg.data.vocab_size == 500  # from the encoder's config.json
+    for key, value in {"model.d_model": 64, "data.vocab_size": 900, "data.lowercase": False}.items():
+        with pytest.raises(UsageError, match=f"{key} = .* contradicts the pretrained encoder"):
+            tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out), **{key.replace(".", "__"): value})
+
+
+def test_a_fine_tuned_run_trains_and_resumes(pretrained, synthetic_data_dir, tmp_path):
+    out, _ = pretrained
+    metrics = train(pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out)), progress=False)
+    assert metrics["val"]["accuracy"] >= 0.85
+
+
+@pytest.mark.parametrize("damage", ["missing", "a file", "no config", "truncated weights", "format version",
+                                    "another model"])
+def test_a_bad_init_from_directory_is_one_clear_error(pretrained, synthetic_data_dir, tmp_path, damage):
+    import shutil
+
+    source, _ = pretrained
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad, ignore=shutil.ignore_patterns(ckpt.CKPT_DIR, "events.*"))
+    expected = UsageError
+    if damage == "missing":
+        shutil.rmtree(bad)
+    elif damage == "a file":
+        shutil.rmtree(bad)
+        bad.write_text("x")
+    elif damage == "no config":
+        (bad / ckpt.CONFIG_FILE).unlink()
+        expected = TfmError
+    elif damage == "truncated weights":
+        data = (bad / ckpt.MODEL_FILE).read_bytes()
+        (bad / ckpt.MODEL_FILE).write_bytes(data[: len(data) // 2])
+        expected = TfmError
+    elif damage == "format version":
+        meta = json.loads((bad / ckpt.CONFIG_FILE).read_text())
+        (bad / ckpt.CONFIG_FILE).write_text(json.dumps({**meta, "format_version": 99}))
+        expected = TfmError
+    else:
+        weights = load_file(bad / ckpt.MODEL_FILE)
+        del weights["encoder.norm.weight"]
+        save_file(weights, bad / ckpt.MODEL_FILE)
+        expected = TfmError
+
+    def attempt():
+        return train(pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(bad)), progress=False)
+
+    with pytest.raises(expected) as info:
+        attempt()
+    assert type(info.value) is expected and "\n" not in str(info.value)
+    assert not (tmp_path / "ft" / ckpt.MODEL_FILE).exists()

@@ -1,0 +1,308 @@
+"""`tfm pretrain`: masked-language-model pretraining of the encoder on unlabelled text.
+
+The text (by default IMDB's `unsupervised` and `train` reviews; labels are never read, `test` never
+opened) is read from `datasets`' memory-mapped Arrow tables a chunk at a time: the tokenizer is
+trained on it as a stream, and the token ids are written chunk by chunk into one file that training
+memory-maps. So a corpus larger than memory is never held in it. The run itself goes through
+train.py's machinery: the same step, loop, checkpoints, resume, signals, DDP and precision.
+
+Output directory: model.safetensors (the encoder and its MLM head, best by held-out loss),
+config.json, tokenizer.json, metrics.json, TensorBoard events, checkpoints/. `tfm train
+--init-from DIR` starts a classifier from its encoder and tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from transformer_cli import checkpoint as ckpt
+from transformer_cli.config import Config, PretrainConfig
+from transformer_cli.data import (SPECIAL_TOKENS, Encoded, cache_dir, collate, encode_texts, named_files,
+                                  open_dataset, open_dataset_files, train_tokenizer)
+from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.evaluate import batch_plan
+from transformer_cli.model import MaskedLM
+from transformer_cli.runtime import Runtime, make_runtime
+from transformer_cli.train import (Batch, Logger, Run, build_run, check_batch_size, check_output_dir, find_resume,
+                                   load_tokenizer, on_every_rank, run_metrics, run_to_end, seed_everything)
+
+MASK_ID = SPECIAL_TOKENS.index("[MASK]")
+FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
+CORPUS_VERSION = 1  # in the token file's cache key
+
+
+# --------------------------------------------------------------------------- text
+
+
+def text_splits(cfg: Config) -> list:
+    """The `datasets` splits (memory-mapped Arrow tables) whose text column is pretrained on."""
+    source, pc = cfg.data.source, cfg.pretrain
+    files = named_files(source)
+    if files is not None:
+        ds = open_dataset_files(files)
+    elif Path(source).is_dir() or not Path(source).exists():
+        ds = open_dataset(source)
+    else:
+        raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, or "
+                         ".txt/.csv/.jsonl/.parquet file(s)")
+    # The default splits are those IMDB has; another source is read in those of them it has.
+    default = pc.splits == PretrainConfig().splits
+    wanted = [s for s in pc.splits if s in ds] if default else list(pc.splits)
+    missing = [s for s in wanted if s not in ds]
+    if missing or not wanted:
+        raise UsageError(f"'{source}' has no split {', '.join(missing or pc.splits)} (it has: {', '.join(ds)}); "
+                         "name the splits to read with pretrain.splits=[...]")
+    column = cfg.data.text_column
+    for split in wanted:
+        if column not in ds[split].column_names:
+            raise TfmError(f"split '{split}' of '{source}' has no column '{column}' (columns: "
+                           f"{', '.join(ds[split].column_names)}); set data.text_column")
+    return [ds[split].select_columns([column]) for split in wanted]
+
+
+def text_chunks(tables: list, column: str, size: int, limit: int | None = None) -> Iterator[list[str]]:
+    """The first `limit` (default: all) texts of `tables`, in order, `size` at a time: only one chunk is
+    in memory at once."""
+    left = limit
+    for table in tables:
+        for chunk in table.iter(batch_size=size):
+            texts = chunk[column][:left]
+            if any(not isinstance(t, str) for t in texts):
+                raise TfmError(f"column '{column}' holds empty or non-text values")
+            yield texts
+            if left is not None:
+                left -= len(texts)
+                if left <= 0:
+                    return
+
+
+# --------------------------------------------------------------------------- the corpus
+
+
+@dataclass
+class Corpus:
+    tokenizer: object
+    texts: Encoded  # every text; ids memory-mapped from the token file
+    train_idx: np.ndarray  # (N_train,) indices of the texts trained on
+    val_idx: np.ndarray  # (N_val,) the held-out ones
+
+
+def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
+    """The tokenizer (trained on the text unless given) and the memory-mapped token ids of every text,
+    cached in the cache folder under a key of the text, the tokenizer and the encoding settings."""
+    d, pc = cfg.data, cfg.pretrain
+    tables = text_splits(cfg)
+    h = hashlib.blake2b(digest_size=16)
+    n = 0
+    for texts in text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples):
+        for t in texts:
+            h.update(t.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        n += len(texts)
+    if n <= pc.val_texts:
+        raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
+    fingerprint = h.hexdigest()
+    folder = cache_dir(d)
+    if tokenizer is None:
+        tokenizer = _cached_tokenizer(tables, cfg, fingerprint, n, folder)
+    key = _key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
+    texts = load_token_file(folder / f"corpus-{key}", n)
+    if texts is None:
+        texts = write_token_file(folder / f"corpus-{key}", tokenizer, text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples), cfg)
+    val_idx = np.sort(np.random.default_rng(cfg.train.seed).permutation(n)[: pc.val_texts])
+    train_idx = np.setdiff1d(np.arange(n), val_idx)
+    return Corpus(tokenizer, texts, train_idx, val_idx)
+
+
+def _key(*parts) -> str:
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def _cached_tokenizer(tables: list, cfg: Config, fingerprint: str, n: int, folder: Path):
+    from tokenizers import Tokenizer
+
+    from transformer_cli.data import MIN_FREQUENCY
+
+    d = cfg.data
+    path = folder / f"tokenizer-{_key(fingerprint, d.tokenizer, d.vocab_size, d.lowercase, MIN_FREQUENCY)}.json"
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:
+            pass  # a damaged cache entry is rebuilt below
+    stream = (t for texts in text_chunks(tables, d.text_column, cfg.pretrain.shard_texts, d.max_train_samples) for t in texts)
+    tok = train_tokenizer(stream, d, length=n)
+    try:
+        ckpt.atomic_write_text(path, tok.to_str())
+    except OSError:
+        pass  # caching is an optimisation; a read-only cache folder must not stop pretraining
+    return tok
+
+
+def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: Config) -> Encoded:
+    """Encode the texts chunk by chunk into FOLDER/ids.bin (int32, appended) and offsets.npy; the
+    folder appears whole or not at all (written under a temporary name, then renamed)."""
+    d = cfg.data
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        ends = [np.zeros(1, dtype=np.int64)]
+        total = 0
+        with open(tmp / "ids.bin", "wb") as f:
+            for texts in chunks:
+                ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
+                f.write(ids.astype(np.int32).tobytes())
+                ends.append(offsets[1:] + total)
+                total += int(offsets[-1])
+            f.flush()
+            os.fsync(f.fileno())
+        np.save(tmp / "offsets.npy", np.concatenate(ends))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    texts = load_token_file(folder, len(np.load(folder / "offsets.npy")) - 1)
+    assert texts is not None
+    return texts
+
+
+def load_token_file(folder: Path, n: int) -> Encoded | None:
+    """The texts of a token file, their ids memory-mapped (read from disk as batches need them); None
+    if there is none for n texts."""
+    try:
+        offsets = np.load(folder / "offsets.npy", allow_pickle=False)
+        if len(offsets) != n + 1 or (folder / "ids.bin").stat().st_size != 4 * int(offsets[-1]):
+            return None
+        ids = np.memmap(folder / "ids.bin", dtype=np.int32, mode="r") if offsets[-1] else np.zeros(0, np.int32)
+    except (OSError, ValueError):
+        return None
+    return Encoded(ids, offsets, np.zeros(n, dtype=np.int64))
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT's masking: each real token but [CLS] is picked with probability p (at least one per
+    batch); a picked token becomes [MASK] 80% of the time, a random word 10%, and stays 10%.
+
+    Returns (the masked ids (B, T), picked (N,) flat indices into (B, T), their original ids (N,)).
+    """
+    candidates = mask.clone()
+    candidates[:, 0] = False  # [CLS]
+    if not candidates.any():
+        candidates = mask  # texts of [CLS] alone: predict that
+    chosen = (torch.rand(ids.shape, generator=generator) < p) & candidates
+    if not chosen.any():
+        chosen.view(-1)[candidates.view(-1).nonzero()[0]] = True
+    picked = chosen.view(-1).nonzero().squeeze(1)  # (N,)
+    targets = ids.view(-1)[picked]  # (N,)
+    r = torch.rand(picked.shape, generator=generator)
+    random_words = torch.randint(FIRST_WORD_ID, max(vocab_size, FIRST_WORD_ID + 1), picked.shape, generator=generator)
+    replaced = torch.where(r < 0.8, MASK_ID, torch.where(r < 0.9, random_words, targets))
+    masked = ids.clone()
+    masked.view(-1)[picked] = replaced
+    return masked, picked, targets
+
+
+class MaskedLanguageModelling:
+    """The pretraining task: predict masked tokens of the training texts; validated on the held-out
+    texts with the same masks every time, so that its figures compare across steps."""
+
+    prefix = "pretrain"
+
+    def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, eval_batch_size: int):
+        self.texts, self.train_idx = corpus.texts, corpus.train_idx
+        self.val = corpus.texts.subset(corpus.val_idx)
+        self.mask_prob, self.vocab_size, self.eval_batch_size = pc.mask_prob, vocab_size, eval_batch_size
+        self.lengths = corpus.texts.lengths[corpus.train_idx]
+        self.num_train, self.num_val = len(corpus.train_idx), len(corpus.val_idx)
+
+    def _masked(self, enc: Encoded, idx: np.ndarray, generator=None):
+        ids, mask, _ = collate(enc, idx)
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        masked, picked, targets = mask_tokens(ids, mask, self.mask_prob, self.vocab_size, generator)
+        return (masked, mask, picked, targets), int(mask.sum())
+
+    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
+        tensors, tokens = self._masked(self.texts, self.train_idx[idx])
+        return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
+
+    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, accuracy = engine(*batch.tensors)
+        return loss, {"loss": loss.detach(), "accuracy": accuracy}
+
+    @torch.no_grad()
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        model, rt = run.model, run.rt
+        was_training = model.training
+        model.eval()
+        generator = torch.Generator().manual_seed(0)
+        loss_sum = correct = count = 0.0
+        try:
+            for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
+                tensors, _ = self._masked(self.val, idx, generator)
+                with rt.autocast():
+                    loss, accuracy = model(*rt.tensors(*(t.numpy() for t in tensors)))
+                n = len(tensors[3])
+                loss_sum, correct, count = loss_sum + loss.item() * n, correct + accuracy.item() * n, count + n
+        finally:
+            model.train(was_training)
+        m = {"loss": loss_sum / count, "accuracy": correct / count, "num_predicted": int(count)}
+        return m, {"pretrain_val/loss": m["loss"], "pretrain_val/accuracy": m["accuracy"]}, -m["loss"]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
+    tc = cfg.train
+    if tc.init_from:
+        raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
+    if cfg.model.lazy_embeddings:
+        raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
+    out = Path(tc.output_dir)
+    check_output_dir(out, resume)
+    resume_dir = find_resume(out, resume)
+    check_batch_size(tc, rt)
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    seed_everything(tc.seed)
+    tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
+    corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
+    vocab_size = corpus.tokenizer.get_vocab_size()
+    model = MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size)
+    meta = {"format_version": ckpt.FORMAT_VERSION, "kind": "pretrained encoder", "vocab_size": vocab_size,
+            "num_texts": len(corpus.texts), **cfg.to_dict()}
+    files = {ckpt.CONFIG_FILE: json.dumps(meta, indent=2) + "\n", ckpt.TOKENIZER_FILE: corpus.tokenizer.to_str()}
+    return build_run(cfg, rt, model, task, resume_dir, force, files)
+
+
+def finish(run: Run, logger: Logger) -> dict:
+    metrics = run_metrics(run)
+    best = run.state.best_val
+    logger.hparams({f"{s}.{k}": v for s, sec in run.cfg.to_dict().items() for k, v in sec.items() if v is not None},
+                   {"hparam/pretrain_val_loss": best["loss"], "hparam/pretrain_val_accuracy": best["accuracy"]},
+                   run.state.step)
+    if run.rt.is_main:
+        ckpt.write_json(run.out / ckpt.METRICS_FILE, metrics)
+    return metrics
+
+
+def pretrain(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True) -> dict:
+    """Run `tfm pretrain`: returns the metrics that are also written to metrics.json."""
+    rt = make_runtime(cfg.train.device, cfg.train.precision)
+    return run_to_end(rt, lambda: setup(cfg, rt, resume, force), finish, resume, progress)
