@@ -21,7 +21,7 @@ CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
 
 def test_defaults_build_and_equal_an_empty_dict():
     cfg = Config()
-    assert set(cfg.to_dict()) == {"model", "data", "train"}
+    assert set(cfg.to_dict()) == {"model", "data", "train", "pretrain"}
     assert Config.from_dict({}) == cfg
     assert load_config() == cfg
 

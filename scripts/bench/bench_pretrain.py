@@ -1,0 +1,158 @@
+"""Pretraining speed: `tfm pretrain`'s step against a straightforward masked-LM step, in one process.
+
+What it measures
+    Both variants start from the same weights and train on the same masked batches (BERT masking,
+    the recipe's mask_prob), steps interleaved so that contention from other jobs hits both alike:
+
+      tfm        transformer_cli.train.train_step on a run built as `tfm pretrain` builds it
+                 (transformer_cli.pretrain: MaskedLM, whose head scores the masked positions only;
+                 fused AdamW over the model's parameter groups; gradient clipping; the run's precision)
+      straight   written here, as a masked-LM step is usually written (e.g. BertForMaskedLM): the
+                 same modules score every position over the whole vocabulary, cross-entropy with
+                 ignore_index=-100 on the unmasked ones, torch.optim.AdamW (foreach), clipping; fp32
+
+    tokens/s counts real tokens (padding excluded). GFLOP/s is each variant's own matmul FLOPs
+    (3 x forward: the encoder's linear layers and attention, the head's transform and vocabulary
+    projection over the positions it scores) over its time; % peak divides that by the fp32
+    torch.mm rate sampled between the steps of the same run.
+
+Data
+    imdb       batches of `tfm pretrain`'s corpus (--data, --config), drawn as its sampler draws them
+    synthetic  random ids with lengths spread over up to max_length (no dataset needed)
+
+    python scripts/bench/bench_pretrain.py --config configs/pretrain.toml --data ../shared/data/imdb
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+
+import _bench_common as bc
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from transformer_cli.config import load_config, parse_overrides
+from transformer_cli.data import CLS_ID, PAD_ID, BucketSampler, Encoded
+from transformer_cli.model import MaskedLM
+from transformer_cli.pretrain import Corpus, MaskedLanguageModelling, prepare_corpus
+from transformer_cli.runtime import make_runtime
+from transformer_cli.train import build_run, seed_everything, train_step
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/pretrain.toml", help="the pretraining recipe")
+    p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
+    p.add_argument("--mode", choices=["imdb", "synthetic"], default="imdb")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before timing")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("overrides", nargs="*", help="config overrides SECTION.FIELD=VALUE, e.g. model.n_layers=2")
+    return p.parse_args(argv)
+
+
+def synthetic_corpus(cfg, n: int) -> Corpus:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(cfg.data.max_length // 4, cfg.data.max_length + 1, n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = rng.integers(5, cfg.data.vocab_size, int(offsets[-1])).astype(np.int32)
+    ids[offsets[:-1]] = CLS_ID
+    return Corpus(None, Encoded(ids, offsets, np.zeros(n, dtype=np.int64)), np.arange(n - 1), np.array([n - 1]))
+
+
+def encoder_flops(cfg, batch) -> float:
+    """Matmul FLOPs of one forward pass of the encoder over a padded (B, T) batch."""
+    B, T = batch.tensors[0].shape
+    return bc.forward_flops(cfg.model.d_model, cfg.model.n_layers, cfg.model.ff_mult, B, T, num_classes=0)
+
+
+def head_flops(cfg, positions: int, vocab: int) -> float:
+    C = cfg.model.d_model
+    return 2.0 * positions * (C * C + C * vocab)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bc.set_threads(args.threads)
+    info = bc.hardware_info()
+    bc.print_header("bench_pretrain: tfm pretrain's step against a straightforward masked-LM step", info)
+    values = {"data.source": args.data, **parse_overrides(args.overrides)}
+    cfg = load_config(args.config, values)
+    rt = make_runtime("cpu", cfg.train.precision)
+    n_batches = args.warmup + args.steps
+    corpus = prepare_corpus(cfg) if args.mode == "imdb" else synthetic_corpus(cfg, cfg.train.batch_size * n_batches + 1)
+    vocab = corpus.tokenizer.get_vocab_size() if corpus.tokenizer is not None else cfg.data.vocab_size
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab, cfg.train.eval_batch_size)
+    sampler = BucketSampler(task.lengths, cfg.train.batch_size, cfg.train.seed)
+    seed_everything(cfg.train.seed)
+    batches = [task.batch(rt, idx) for idx in sampler.batches(0)[:n_batches]]
+
+    torch.manual_seed(cfg.train.seed)
+    model = MaskedLM(cfg.model, vocab, cfg.data.max_length)
+    straight = MaskedLM(cfg.model, vocab, cfg.data.max_length)
+    straight.load_state_dict(model.state_dict())
+    with tempfile.TemporaryDirectory() as out:
+        run = build_run(cfg.replace(train={"output_dir": out}), rt, model, task, None, False, {})
+        optimizer = torch.optim.AdamW(straight.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
+                                      foreach=True)
+
+        def straightforward_step(batch) -> None:
+            masked, mask, picked, targets = batch.tensors
+            labels = torch.full((masked.numel(),), -100, dtype=torch.long)
+            labels[picked] = targets
+            logits = straight.logits(straight.encoder(masked, mask))  # (B, T, V): every position
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels, ignore_index=-100)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(straight.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            loss.item()
+
+        variants = {"tfm": lambda b: train_step(run, [b]), "straight": straightforward_step}
+        times = {name: [] for name in variants}
+        peak = bc.MatmulPeak()
+        for i, batch in enumerate(batches):
+            for name, step in variants.items():
+                t0 = bc.now()
+                step(batch)
+                if i >= args.warmup:
+                    times[name].append(bc.now() - t0)
+            peak.sample()
+
+    timed = batches[args.warmup:]
+    tokens = sum(b.tokens for b in timed)
+    flops = {
+        "tfm": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.units, vocab)) for b in timed),
+        "straight": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed),
+    }
+    rows = []
+    for name, ts in times.items():
+        seconds = sum(ts)
+        gflops = flops[name] / seconds / 1e9
+        rows.append({"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens / seconds,
+                     "gflops": gflops, "pct_peak": 100 * gflops / peak.gflops})
+    speedup = rows[0]["tokens_per_sec"] / rows[1]["tokens_per_sec"]
+    for row in rows:
+        row["vs_straight"] = row["tokens_per_sec"] / rows[1]["tokens_per_sec"]
+    m = cfg.model
+    print(f"model    d{m.d_model}, {m.n_heads} heads, {m.n_layers} layers, ff {m.ff_mult}x; vocab {vocab}; "
+          f"batch {cfg.train.batch_size}, max_length {cfg.data.max_length}, mask_prob {cfg.pretrain.mask_prob}; "
+          f"{args.mode} batches, {args.steps} timed steps after {args.warmup}; {rt.precision}")
+    print(f"peak     {peak.describe()}\n")
+    bc.print_table(rows, [("variant", "variant"), ("ms_step", "ms/step"), ("tokens_per_sec", "tokens/s"),
+                          ("vs_straight", "vs straight"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
+                   {"ms_step": 0, "tokens_per_sec": 0, "vs_straight": 2, "gflops": 1, "pct_peak": 1})
+    result = bc.check("tfm pretrain's tokens/s over the straightforward step's", speedup, 2.0, "x")
+    bc.write_json(args.json, {"hardware": info, "config": cfg.to_dict(), "mode": args.mode, "peak": peak.as_dict(),
+                              "rows": rows, "target": result})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
