@@ -121,6 +121,7 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
     from transformer_cli import checkpoint as ckpt
     from transformer_cli.config import load_config
     from transformer_cli.data import prepare_train_data
+    from transformer_cli.fileio import atomic_write_bytes
     from transformer_cli.model import CTransformer
 
     overrides = {"data.source": args.data}
@@ -133,7 +134,7 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
     torch.manual_seed(cfg.train.seed)
     model = CTransformer(cfg.model, vocab, cfg.data.max_length, len(prepared.labels))
     ckpt.save_model_files(where, cfg.to_dict(), prepared.tokenizer.to_str(), prepared.labels, vocab)
-    ckpt.atomic_write_bytes(where / ckpt.MODEL_FILE, ckpt.state_bytes(model))
+    atomic_write_bytes(where / ckpt.MODEL_FILE, ckpt.state_bytes(model))
     print(f"random {config_path} model in {where}: tokenizer ({vocab} entries) ready in {bc.now() - t0:.1f} s")
     return where
 

@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from conftest import one_at_a_time_logits
 
 from transformer_cli import evaluate as ev
@@ -200,8 +199,8 @@ def test_evaluate_model_on_an_empty_share_of_the_batches(monkeypatch):
 
 
 def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, test_rows, monkeypatch):
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import encode_texts
+    from transformer_cli.evaluate import load_model_dir
 
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 300)  # many batches of different sizes
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
@@ -215,8 +214,8 @@ def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, t
 
 
 def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import encode_texts
+    from transformer_cli.evaluate import load_model_dir
 
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
     d = cfg.data

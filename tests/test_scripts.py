@@ -44,8 +44,8 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     import torch
     from conftest import one_at_a_time_logits, tiny_config
 
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_train_data
+    from transformer_cli.evaluate import load_model_dir
     from transformer_cli.train import train
 
     metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256), progress=False)

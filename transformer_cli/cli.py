@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 import typer
 
+from transformer_cli import __version__
+from transformer_cli.config import load_config, parse_overrides
 from transformer_cli.errors import TfmError, UsageError
 
 app = typer.Typer(
@@ -58,8 +60,6 @@ def _out_of_memory(e: Exception) -> bool:
 
 def _print_version(value: bool) -> None:
     if value:
-        from transformer_cli import __version__
-
         typer.echo(f"tfm {__version__}")
         raise typer.Exit()
 
@@ -111,8 +111,6 @@ def train(
     }
 
     def go():
-        from transformer_cli.config import load_config, parse_overrides
-
         values = parse_overrides(overrides or [])
         values.update({k: v for k, v in options.items() if v is not None})
         if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...

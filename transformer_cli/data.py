@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import numpy as np
 
 from transformer_cli.config import DataConfig
 from transformer_cli.errors import TfmError, UsageError, cause_line, first_line
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
@@ -310,8 +312,6 @@ def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
         except Exception:
             pass  # a damaged cache entry is rebuilt below
     tok = train_tokenizer(train.texts, cfg)
-    from transformer_cli.checkpoint import atomic_write_text
-
     try:
         atomic_write_text(path, tok.to_str())
     except OSError:
@@ -425,11 +425,7 @@ def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is rebuilt below
     ids, offsets = encode_texts(tokenizer, raw.texts, cfg.max_length, cfg.truncation, cfg.head_fraction)
-    from transformer_cli.checkpoint import atomic_write_bytes
-
     try:
-        import io
-
         buf = io.BytesIO()
         np.savez(buf, ids=ids, offsets=offsets)
         atomic_write_bytes(path, buf.getvalue())

@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.data import Encoded, collate, encode_texts, local_paths
+from transformer_cli.checkpoint import CONFIG_FILE, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILE, load_weights
+from transformer_cli.config import Config, with_legacy_values
+from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.runtime import Runtime
+from transformer_cli.fileio import read_json
+from transformer_cli.model import CTransformer
+from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
 CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
@@ -82,8 +87,6 @@ def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_lab
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
     if workers > 1 and len(batches) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with torch_threads(per_worker):  # torch's thread count is per thread: each worker sets its own
             pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
             try:
@@ -162,12 +165,49 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     return logits.softmax(-1).numpy().astype(np.float64)
 
 
+def load_model_dir(path: str | Path, device="cpu"):
+    """(model in eval mode, Config, tokenizer, labels) from a `tfm train` output directory."""
+    from tokenizers import Tokenizer
+
+    out = Path(path)
+    if not out.is_dir():
+        what = "is a file, not a directory" if out.exists() else "does not exist"
+        raise TfmError(f"checkpoint directory '{out}' {what}; pass the --output-dir of a `tfm train` run")
+    for name in (CONFIG_FILE, TOKENIZER_FILE, MODEL_FILE):
+        if not (out / name).is_file():
+            raise TfmError(f"'{out}' is not a complete model directory: {name} is missing")
+    meta = read_json(out / CONFIG_FILE, "config")
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    try:
+        cfg = Config.from_dict(with_legacy_values({k: meta[k] for k in ("model", "data", "train")}))
+        labels, vocab_size = meta["labels"], int(meta["vocab_size"])
+        if not (isinstance(labels, list) and len(labels) >= 2 and all(isinstance(x, str) for x in labels)
+                and len(set(labels)) == len(labels)):
+            raise ValueError(f"labels must be a list of at least two distinct names, not {labels!r}")
+    except (KeyError, TypeError, ValueError, TfmError) as e:  # TfmError: a value the config refuses
+        raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
+    try:
+        tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
+    except Exception as e:
+        raise TfmError(f"tokenizer '{out / TOKENIZER_FILE}' is unreadable ({e})") from None
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
+    model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
+    load_weights(model, out / MODEL_FILE)
+    # aminmax carries a NaN or inf through to its result, and reads each tensor faster than isfinite().all().
+    bad = [name for name, t in model.state_dict().items()
+           if t.is_floating_point() and not all(v.isfinite() for v in t.aminmax())]
+    if bad:
+        raise TfmError(f"weights in '{out / MODEL_FILE}' are not finite (NaN or inf in {', '.join(bad[:3])}); "
+                       "the file is damaged or the run diverged: train again")
+    return model.to(device).eval(), cfg, tokenizer, labels
+
+
 def load_for_inference(model_dir: str | Path, device: str, precision: str | None):
     """(runtime, model, config, tokenizer, labels) of a `tfm train` output directory. `precision` None:
     fp32 for a run trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
-    from transformer_cli.checkpoint import load_model_dir
-    from transformer_cli.runtime import make_runtime, resolve_precision
-
     rt = make_runtime(device, "fp32")
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
     if precision is None:
@@ -199,8 +239,6 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
                         precision: str | None = None) -> dict:
     """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is what
     the run validated on (data.train_val_splits, with its seed): the split its best model was chosen on."""
-    from transformer_cli.data import prepare_eval_data
-
     rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
     if data is not None:
