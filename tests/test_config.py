@@ -8,7 +8,9 @@ from conftest import CONFIGS
 from transformer_cli.config import (
     Config,
     ModelConfig,
+    TrainConfig,
     apply_overrides,
+    check_device_and_precision,
     load_config,
     parse_overrides,
     parse_value,
@@ -92,6 +94,27 @@ def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
         Config.from_dict(d)
     for part in expected:
         assert part in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
+def test_unknown_device_names_are_usage_errors(name):
+    with pytest.raises(UsageError, match="unknown device; use auto, cpu, cuda, cuda:N or mps"):
+        check_device_and_precision(name, None)
+    with pytest.raises(UsageError, match="train.device"):
+        TrainConfig(device=name)
+
+
+def test_unknown_precision_names_are_usage_errors():
+    with pytest.raises(UsageError, match="--precision fp8: unknown precision; use auto, fp32, bf16 or fp16"):
+        check_device_and_precision("cpu", "fp8")
+    with pytest.raises(UsageError, match="train.precision"):
+        TrainConfig(precision="fp8")
+
+
+@pytest.mark.parametrize(("device", "precision"), [("auto", None), ("cuda:1", "bf16"), ("mps", "fp16"), ("cpu", "fp32")])
+def test_device_and_precision_names_that_a_run_accepts_pass(device, precision):
+    check_device_and_precision(device, precision)
+    TrainConfig(device=device, precision=precision or "auto")
 
 
 def test_section_must_be_a_table():

@@ -22,6 +22,7 @@ from transformer_cli.errors import UsageError
 
 MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers library aborts on huge ones)
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
+Precision = Literal["auto", "fp32", "bf16", "fp16"]  # what train.precision and --precision accept
 
 
 class _Section:
@@ -196,7 +197,7 @@ class TrainConfig(_Section):
     ema_decay: float = 0.0  # > 0: validate and save an exponential moving average of the weights
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Precision = "auto"
     compile: bool = False  # torch.compile the model (for GPUs: on the project CPU its steps were 0.84-0.94x eager's)
     log_every: int = 20  # steps between train/* scalars
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
@@ -247,6 +248,15 @@ class TrainConfig(_Section):
             self._fail("batch_size", f"must be divisible by train.grad_accum_steps = {self.grad_accum_steps}")
         if not DEVICE_NAME.fullmatch(self.device):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
+
+
+def check_device_and_precision(device: str, precision: str | None) -> None:
+    """The names that `--device` and `--precision` of `tfm predict` and `tfm evaluate` accept (None: the
+    run's precision), checked against what train.device and train.precision accept."""
+    if not DEVICE_NAME.fullmatch(device):
+        raise UsageError(f"--device {device}: unknown device; use auto, cpu, cuda, cuda:N or mps")
+    if precision is not None and precision not in typing.get_args(Precision):
+        raise UsageError(f"--precision {precision}: unknown precision; use auto, fp32, bf16 or fp16")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.checkpoint import CONFIG_FILE, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILE, load_weights
-from transformer_cli.config import Config, with_legacy_values
+from transformer_cli.config import Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
@@ -208,6 +208,7 @@ def load_model_dir(path: str | Path, device="cpu"):
 def load_for_inference(model_dir: str | Path, device: str, precision: str | None):
     """(runtime, model, config, tokenizer, labels) of a `tfm train` output directory. `precision` None:
     fp32 for a run trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
+    check_device_and_precision(device, precision)
     rt = make_runtime(device, "fp32")
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
     if precision is None:

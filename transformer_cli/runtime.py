@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from transformer_cli.config import DEVICE_NAME
 from transformer_cli.errors import UsageError
 
 
@@ -69,8 +68,7 @@ class Runtime:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    if not DEVICE_NAME.fullmatch(name):
-        raise UsageError(f"--device {name}: unknown device; use auto, cpu, cuda, cuda:N or mps")
+    """The torch device a valid device name (config.DEVICE_NAME) means here; refuses one this machine lacks."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank)
@@ -102,8 +100,8 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision not in ("auto", "fp32", "bf16", "fp16"):
-        raise UsageError(f"--precision {precision}: unknown precision; use auto, fp32, bf16 or fp16")
+    """The autocast dtype (None: fp32) a valid precision name (config.Precision) means on `device`;
+    refuses one the device cannot run."""
     if precision == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
