@@ -146,23 +146,24 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     import torch
 
     from transformer_cli import evaluate as ev
-    from transformer_cli.data import batch_width, cache_dir, collate, prepare_eval_data
+    from transformer_cli.data import batch_width, collate, prepare_eval_data
+    from transformer_cli.fileio import cache_dir
 
     t0 = bc.now()
     rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
     load_sec = bc.now() - t0
     cfg = cfg.replace(data={"source": args.data})
-    entries = set(cache_dir(cfg.data).glob("encoded-*.npz"))
+    entries = set(cache_dir(cfg.data.cache_dir).glob("encoded-*.npz"))
     t0 = bc.now()
     enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     first_prep_sec = bc.now() - t0
-    encoded = bool(set(cache_dir(cfg.data).glob("encoded-*.npz")) - entries)
+    encoded = bool(set(cache_dir(cfg.data.cache_dir).glob("encoded-*.npz")) - entries)
     t0 = bc.now()
     enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     prep_sec = bc.now() - t0
 
     m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
-    batches = ev._batches(enc, batch_size, rt)
+    batches = ev.batches_for(enc, batch_size, rt)
     widths = [batch_width(enc, i) for i in batches]  # as collate pads them
     flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), w) for i, w in zip(batches, widths))
     padded = sum(len(i) * w for i, w in zip(batches, widths))
@@ -321,19 +322,19 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 
     from transformer_cli import evaluate as ev
 
-    batches = ev._batches(enc, batch_size, rt)
+    batches = ev.batches_for(enc, batch_size, rt)
     model.eval()
     inductor_config.freezing = True  # weights as constants: lets inductor fold them into oneDNN kernels
     compiled = torch.compile(model, dynamic=True)
     t0 = bc.now()
-    logits = ev._logits(compiled, enc, batches, rt, num_labels)
+    logits = ev.batched_logits(compiled, enc, batches, rt, num_labels)
     first = bc.now() - t0
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     outputs: dict[str, torch.Tensor] = {}
     for _ in range(args.repeats):  # interleaved, so contention hits both alike
         for name, engine in (("eager", model), ("compiled", compiled)):
             t0 = bc.now()
-            outputs[name] = ev._logits(engine, enc, batches, rt, num_labels)
+            outputs[name] = ev.batched_logits(engine, enc, batches, rt, num_labels)
             times[name].append(bc.now() - t0)
     eager = outputs["eager"]
     eager_sec, compiled_sec = statistics.median(times["eager"]), statistics.median(times["compiled"])

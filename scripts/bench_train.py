@@ -32,7 +32,7 @@ What it measures
       _fp32      fp32, autocast off (the default on CPUs without native bf16)
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
-      _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
+      _foreach   AdamW's foreach implementation instead of the fused kernel
       _compile   the model under torch.compile (inductor; `train.compile = true`). Its first steps
                  compile (again when a new batch shape makes the graph dynamic): the JSON rows keep
                  every variant's first-step seconds, printed for this one; use --warmup >= 2
@@ -282,7 +282,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
-    from transformer_cli.optim import clip_grad_norm_, make_optimizer
+    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
     from transformer_cli.runtime import Runtime, resolve_precision
 
     mods = set(key.split("_")[1:])
@@ -297,7 +297,11 @@ def ours(key: str, args, vocab: int) -> Variant:
     rt = Runtime(cpu, resolve_precision(precision, cpu))
     model = CTransformer(mc, vocab, args.seq_len).train()
     model.compact_hidden = "masked" not in mods
-    opt = make_optimizer(model, tc, torch.device("cpu"), fused="foreach" not in mods)
+    if "foreach" in mods:  # make_optimizer's optimizer without the fused kernel
+        cls = LazyAdamW if mc.lazy_embeddings else torch.optim.AdamW
+        opt = cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    else:
+        opt = make_optimizer(model, tc, cpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine = torch.compile(model) if "compile" in mods else model  # as transformer_cli.train.setup wraps it
     shapes: list[tuple[int, int]] = []

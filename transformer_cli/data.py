@@ -11,7 +11,6 @@ import functools
 import hashlib
 import io
 import json
-import os
 import re
 import tarfile
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ import numpy as np
 
 from transformer_cli.config import DataConfig
 from transformer_cli.errors import TfmError, UsageError, cause_line, first_line
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, cache_dir
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
+PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
@@ -269,11 +268,6 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
 # --------------------------------------------------------------------------- tokenizer
 
 
-def cache_dir(cfg: DataConfig) -> Path:
-    d = cfg.cache_dir or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli"
-    return Path(d).expanduser()
-
-
 def _key(*parts) -> str:
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
@@ -305,7 +299,7 @@ def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
     from tokenizers import Tokenizer
 
     key = _key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
-    path = cache_dir(cfg) / f"tokenizer-{key}.json"
+    path = cache_dir(cfg.cache_dir) / f"tokenizer-{key}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
@@ -416,7 +410,7 @@ def _cut_after(text: str, n: int) -> int:
 
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
     key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
-    path = cache_dir(cfg) / f"encoded-{key}.npz"
+    path = cache_dir(cfg.cache_dir) / f"encoded-{key}.npz"
     if path.is_file():
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -448,19 +442,16 @@ class BucketSampler:
 
     def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, shuffle: bool = True,
                  world_size: int = 1, rank: int = 0, bucket_batches: int = 50):
+        assert shuffle, "always shuffled (the argument stays for positional callers); see evaluate.batch_plan"
         self.lengths = lengths
         self.batch_size = batch_size
         self.seed = seed
-        self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
         self.bucket_batches = bucket_batches
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         n = len(self.lengths)
-        if not self.shuffle:
-            order = np.argsort(self.lengths, kind="stable")
-            return [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(n)
         window = self.batch_size * self.bucket_batches
@@ -480,9 +471,6 @@ class BucketSampler:
                 per = len(b) // self.world_size
                 out.append(b[self.rank * per : (self.rank + 1) * per])
         return out
-
-    def __len__(self) -> int:
-        return len(self.batches(0))
 
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to a multiple of this (see collate)

@@ -70,12 +70,13 @@ def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = No
     return batches
 
 
-def _batches(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
-    """This rank's batches: under DDP each rank takes every world_size-th one."""
+def batches_for(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
+    """This rank's batches of `enc` as evaluation runs them: under DDP each rank takes every
+    world_size-th one."""
     return _plan(enc.lengths, batch_size, rt)[rt.rank :: rt.world_size]
 
 
-def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
+def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits on the CPU, in the order of `enc`; rows of examples in no
     batch stay zero. The model must be in eval mode."""
 
@@ -120,9 +121,9 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    batches = _batches(enc, batch_size, rt)
+    batches = batches_for(enc, batch_size, rt)
     try:
-        logits = _logits(model, enc, batches, rt, num_labels)
+        logits = batched_logits(model, enc, batches, rt, num_labels)
     finally:
         model.train(was_training)
     mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
@@ -161,7 +162,7 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     """(N, num_labels) probabilities, in the order of `texts`. The model must be in eval mode."""
     ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    logits = _logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
+    logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
     return logits.softmax(-1).numpy().astype(np.float64)
 
 

@@ -1,4 +1,4 @@
-"""Crash-safe files: atomic writes and JSON, and the cache folder.
+"""Crash-safe files (atomic writes, JSON) and the cache folder.
 
 Every file is written to a temporary name in the same folder, flushed, fsynced and renamed, so a
 reader sees the old file or the new one, never half of one.
@@ -61,6 +61,11 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def cache_dir(configured: str | None = None) -> Path:
+    """Where caches go: `configured` (data.cache_dir), else $TFM_CACHE, else ~/.cache/transformer_cli."""
+    return Path(configured or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli").expanduser()
 
 
 def read_json(path: Path, what: str) -> Any:

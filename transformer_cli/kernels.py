@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from transformer_cli.fileio import cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "attention_bf16.c"
 FLAGS = ["-O3", "-fno-strict-aliasing", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
          "-shared", "-fPIC", "-pthread"]  # no strict aliasing: bf16 pairs are read as 32-bit words
@@ -39,10 +41,6 @@ enabled = os.environ.get("TFM_CPU_KERNELS", "1") != "0"  # False: attention_bf16
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernel is unavailable; None: not tried yet, or loaded
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli") / "kernels"
 
 
 def _compiler() -> str | None:
@@ -59,7 +57,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler found (set CC, or install gcc or clang)")
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"attention_bf16-{key}.so"
+    path = cache_dir() / "kernels" / f"attention_bf16-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # renamed into place once whole
@@ -101,13 +99,6 @@ def unavailable_reason() -> str | None:
         return "turned off (TFM_CPU_KERNELS=0)"
     _load()
     return _reason
-
-
-def reset() -> None:
-    """Forget the loaded library or the failure, so that the next call tries again (for tests)."""
-    global _lib, _reason
-    with _lock:
-        _lib, _reason = None, None
 
 
 def attention_bf16(qkv: torch.Tensor, mask: torch.Tensor, n_heads: int) -> torch.Tensor | None:

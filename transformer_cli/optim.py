@@ -96,14 +96,11 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-def make_optimizer(
-    model: torch.nn.Module, tc: TrainConfig, device: torch.device, fused: bool | None = None
-) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """The training optimizer over the model's parameter groups: torch's AdamW, or LazyAdamW under
-    `model.lazy_embeddings`. `fused` (default: on CPU and CUDA) uses torch's fused AdamW kernel,
-    one pass over each tensor instead of foreach's several (see README, Performance)."""
-    if fused is None:
-        fused = device.type in ("cpu", "cuda")
+    `model.lazy_embeddings`. On CPU and CUDA it uses torch's fused AdamW kernel, one pass over each
+    tensor instead of foreach's several."""
+    fused = device.type in ("cpu", "cuda")
     cls = LazyAdamW if model.cfg.lazy_embeddings else torch.optim.AdamW
     return cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                fused=fused, foreach=None if fused else True)
