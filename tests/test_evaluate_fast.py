@@ -1,6 +1,6 @@
 """The fast inference path (length-sorted, token-budgeted batches run by one-thread workers; logits
 gathered once) against the reference: one review at a time, unbatched and unpadded. No timings here;
-speed is measured by scripts/bench_infer.py."""
+speed is measured by scripts/bench/bench_infer.py."""
 
 from __future__ import annotations
 

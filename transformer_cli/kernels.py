@@ -4,7 +4,7 @@ torch's CPU attention kernels are slow at small head sizes: its fp32 flash kerne
 the fp32 matmul peak at head sizes 16 and 32, and its bf16 one slower still, since its matmuls have
 an inner dimension of 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction
 and the softmax in fp32: 3.4-4.0x the fp32 flash kernel's speed on one thread at the project's
-head sizes (`scripts/bench_attention.py --threads 1`). Under bf16 autocast q, k and v come out of
+head sizes (`scripts/bench/bench_attention.py --threads 1`). Under bf16 autocast q, k and v come out of
 the projection in bf16 and the output projection reads its input in bf16, so next to the fp32 path
 it rounds only the attention probabilities to bf16.
 

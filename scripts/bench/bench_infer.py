@@ -52,8 +52,8 @@ Models
                               paths run. Its accuracy is meaningless (~0.5); its speed is not.
 
 Examples
-    python scripts/bench_infer.py --checkpoint runs/base --untrained-config configs/seed.toml --json /tmp/infer.json
-    python scripts/bench_infer.py -c runs/base --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
+    python scripts/bench/bench_infer.py --checkpoint runs/base --untrained-config configs/seed.toml --json /tmp/infer.json
+    python scripts/bench/bench_infer.py -c runs/base --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
 """
 
 from __future__ import annotations

@@ -78,10 +78,10 @@ Profiles (--profile a,b)
     it; its intra-op threads are not counted again. The profiler adds overhead, so read shares.
 
 Examples
-    python scripts/bench_train.py --json /tmp/bench_train.json      # the full run, both modes
-    python scripts/bench_train.py --mode synthetic --steps 2 --warmup 1
-    python scripts/bench_train.py --mode synthetic --variants a,b --steps 10 --profile a,b
-    python scripts/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
+    python scripts/bench/bench_train.py --json /tmp/bench_train.json      # the full run, both modes
+    python scripts/bench/bench_train.py --mode synthetic --steps 2 --warmup 1
+    python scripts/bench/bench_train.py --mode synthetic --variants a,b --steps 10 --profile a,b
+    python scripts/bench/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
 """
 
 from __future__ import annotations
