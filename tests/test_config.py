@@ -41,10 +41,13 @@ def test_every_shipped_config_parses_and_applies_its_values(path):
             assert cfg[section][key] == value, f"{path.name}: {section}.{key}"
 
 
-def test_base_toml_documents_the_built_in_defaults():
-    base = CONFIGS / "base.toml"
-    assert base.is_file(), "configs/base.toml is the default recipe"
-    assert load_config(base).to_dict() == Config().to_dict()
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(path):
+    defaults = Config().to_dict()
+    written = tomllib.loads(path.read_text(encoding="utf-8"))
+    same = [f"{section}.{key}" for section, values in written.items() for key, value in values.items()
+            if defaults[section][key] == value]
+    assert not same, f"{path.name} restates defaults: {same}"
 
 
 @pytest.mark.parametrize(

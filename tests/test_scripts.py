@@ -21,23 +21,23 @@ SHRINK = ["train.max_steps=3", "data.max_length=64", "data.vocab_size=500", "tra
 
 def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(synthetic_data_dir),
-           "--out", str(tmp_path / "runs"), "--recipes", "quick", "--seeds", "1", "2",
+           "--out", str(tmp_path / "runs"), "--recipes", "default", "--seeds", "1", "2",
            "--results-dir", str(tmp_path / "results"), *SHRINK]
     first = run(cmd)
     assert first.returncode == 0, first.stderr[-2000:]
-    rows = [line for line in first.stdout.splitlines() if line.startswith("| quick |")]
+    rows = [line for line in first.stdout.splitlines() if line.startswith("| default |")]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "2"]
     for seed, row in zip((1, 2), rows):
-        test = json.loads((tmp_path / "results" / f"quick-s{seed}.json").read_text())
-        assert test == json.loads((tmp_path / "runs" / f"quick-s{seed}" / "test.json").read_text())
+        test = json.loads((tmp_path / "results" / f"default-s{seed}.json").read_text())
+        assert test == json.loads((tmp_path / "runs" / f"default-s{seed}" / "test.json").read_text())
         assert test["num_examples"] == 200 and f"{test['accuracy']:.2%}" in row
-    assert "quick: test accuracy" in first.stdout and "over 2 seeds" in first.stdout
+    assert "default: test accuracy" in first.stdout and "over 2 seeds" in first.stdout
 
     assert all("train.max_steps=3" in row and "--seed" in row for row in rows)
     # Finished runs are not repeated, and their rows show the command that trained them, not this one.
     again = run([*cmd, "train.log_every=7"])
     assert again.returncode == 0 and "$ " not in again.stdout
-    assert [line for line in again.stdout.splitlines() if line.startswith("| quick |")] == rows
+    assert [line for line in again.stdout.splitlines() if line.startswith("| default |")] == rows
 
 
 def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):

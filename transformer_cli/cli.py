@@ -115,7 +115,7 @@ def train(
     overrides: Annotated[list[str] | None, typer.Argument(
         help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
         show_default=False)] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in default recipe.")] = None,
     data: Annotated[str | None, typer.Option(help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s); default: env TFM_DATA, else the config's.", show_default=False)] = None,
     output_dir: Annotated[Path | None, typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Passes over the training split.")] = None,

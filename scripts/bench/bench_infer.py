@@ -45,15 +45,15 @@ What it measures
          as a ratio to predict TEXT; and the peak RSS (VmHWM) of both predicts, from one more run each.
 
 Models
-    --checkpoint OUT          a `tfm train` output directory (e.g. runs/base: base.toml's sizes)
+    --checkpoint OUT          a `tfm train` output directory (e.g. runs/tfm: the default recipe's sizes)
     --untrained-config TOML   a randomly initialised model of that recipe's sizes (e.g.
                               configs/seed.toml), with a tokenizer trained on --data by our own
                               pipeline (cached), in a temporary model directory; the same code
                               paths run. Its accuracy is meaningless (~0.5); its speed is not.
 
 Examples
-    python scripts/bench/bench_infer.py --checkpoint runs/base --untrained-config configs/seed.toml --json /tmp/infer.json
-    python scripts/bench/bench_infer.py -c runs/base --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
+    python scripts/bench/bench_infer.py --checkpoint runs/tfm --untrained-config configs/seed.toml --json /tmp/infer.json
+    python scripts/bench/bench_infer.py -c runs/tfm --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
 """
 
 from __future__ import annotations
