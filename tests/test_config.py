@@ -208,8 +208,8 @@ def test_replace_changes_only_the_given_fields_and_validates():
 
 
 @pytest.mark.parametrize("path", [None, *CONFIG_FILES], ids=lambda p: "defaults" if p is None else p.name)
-def test_json_round_trip_is_identity(path):
-    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": "/tmp/x"})
+def test_json_round_trip_is_identity(path, tmp_path):
+    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": str(tmp_path / "cache")})
     again = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     assert again.to_dict() == cfg.to_dict()

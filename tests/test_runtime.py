@@ -45,7 +45,7 @@ def test_precision_choices_on_the_cpu(monkeypatch):
         resolve_precision("bf16", CPU)
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
     assert resolve_precision("bf16", CPU) is torch.bfloat16
-    assert resolve_precision("auto", CPU) is torch.bfloat16  # native bf16: faster (README, Performance)
+    assert resolve_precision("auto", CPU) is torch.bfloat16  # native bf16: faster
 
 
 @pytest.mark.parametrize(("x86", "avx512_bf16", "amx", "mkldnn_bf16", "native"), [

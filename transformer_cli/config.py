@@ -103,7 +103,7 @@ def _type_name(tp: Any) -> str:
 class ModelConfig(_Section):
     _name = "model"
     d_model: int = 64  # embedding / residual width
-    n_heads: int = 2  # head size 32: the CPU flash-attention kernel runs 1.4x faster than at 16
+    n_heads: int = 2  # head size 32: the CPU attention kernels run faster than at 16
     n_layers: int = 2
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
@@ -199,7 +199,7 @@ class TrainConfig(_Section):
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Precision = "auto"
-    compile: bool = False  # torch.compile the model (for GPUs: on the project CPU its steps were 0.84-0.94x eager's)
+    compile: bool = False  # torch.compile the model (for GPUs: on CPUs its steps were slower than eager's)
     log_every: int = 20  # steps between train/* scalars
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     eval_batch_size: int = 256

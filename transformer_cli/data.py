@@ -349,9 +349,9 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
 
 
 def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: float) -> list[int]:
-    """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a
-    50 MB review took 8 GB and over a minute to encode whole. Each end is cut where a word ends, and
-    grows until it holds enough tokens; text that never does is encoded whole."""
+    """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a huge
+    review would take a lot of memory and time to encode whole. Each end is cut where a word ends,
+    and grows until it holds enough tokens; text that never does is encoded whole."""
     n_head = limit if truncation == "head" else int(round(limit * head_fraction))
     n_tail = limit - n_head
     chars = 8 * limit + 64
@@ -485,8 +485,7 @@ def batch_width(enc: Encoded, idx: np.ndarray) -> int:
     """The width `collate` pads a batch to: its longest review rounded up to a multiple of
     PAD_MULTIPLE, but no longer than the longest review of `enc` (so never past the model's
     max_length). A few batch shapes instead of one per length keep the allocator's and oneDNN's
-    caches warm (default model, 150 training steps on real batches: 1.10-1.27x faster, 0.2-0.6 GB
-    less peak memory; README, Performance)."""
+    caches warm: faster steps and less peak memory."""
     width = int(enc.lengths[idx].max())
     return min(round_width(width), enc.longest)  # >= width: idx is part of enc
 

@@ -1,17 +1,14 @@
-"""Inference and metrics: used by validation during training, `tfm evaluate` and `tfm predict`.
+"""Inference and metrics: loading a trained model, validation during training, `tfm evaluate`
+and `tfm predict`.
 
 Batching: examples are sorted by length, so that a batch holds reviews of similar length and
 little padding, and cut into batches of at most `batch_size` reviews. On the CPU a batch also
-holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread, counted as reviews x longest review
-before `collate` rounds the width up to a multiple of 32 (so up to 31 columns more): the activations of a few
-thousand tokens per core stay in its caches, which made the forward pass 1.5-2x faster per review
-than batches of 256 reviews of up to 256 tokens (`scripts/bench/bench_infer.py --compare-tokens-per-thread
-0,2048,4096,8192` measures it). The CPU's torch threads are split between up to `CPU_WORKERS`
-workers, each running whole batches on its share, rather than all threads sharing each operation:
-on 2 cores, 2 workers of one thread were 1.2-1.3x faster (`--compare-workers` measures it). The cap
-keeps the workers' Python work, serialised by the GIL, small beside their batches on many cores.
-Logits are gathered in input order into one tensor, and loss, confusion matrix and probabilities are
-computed from it once.
+holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread (reviews x longest review, before
+`collate` rounds the width up), so that its activations stay in the core's caches. The CPU's
+torch threads are split between up to `CPU_WORKERS` workers, each running whole batches on its
+share, rather than all threads sharing each small operation; the cap keeps the workers' Python
+work, serialised by the GIL, small beside their batches on many cores. Logits are gathered in
+input order into one tensor, and loss, confusion matrix and probabilities are computed from it once.
 """
 
 from __future__ import annotations

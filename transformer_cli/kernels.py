@@ -1,15 +1,13 @@
 """A hand-written CPU kernel for inference: attention with AVX-512 BF16 dot products (csrc/attention_bf16.c).
 
-torch's CPU attention kernels are slow at small head sizes: its fp32 flash kernel ran at 39-50% of
-the fp32 matmul peak at head sizes 16 and 32, and its bf16 one slower still, since its matmuls have
-an inner dimension of 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction
-and the softmax in fp32: 3.4-4.0x the fp32 flash kernel's speed on one thread at the project's
-head sizes (`scripts/bench/bench_attention.py --threads 1`). Under bf16 autocast q, k and v come out of
-the projection in bf16 and the output projection reads its input in bf16, so next to the fp32 path
-it rounds only the attention probabilities to bf16.
+torch's CPU attention kernels are slow at small head sizes, whose matmuls have an inner dimension
+of only 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction and the softmax
+in fp32, which is much faster there than torch's fp32 flash kernel. Under bf16 autocast q, k and v
+come out of the projection in bf16 and the output projection reads its input in bf16, so next to
+the fp32 path it rounds only the attention probabilities to bf16.
 
-The C source is compiled on first use with the system's C compiler (`$CC`, else cc, gcc or clang;
-under a second) into a shared library in the `kernels` folder of `$TFM_CACHE` (default
+The C source is compiled on first use with the system's C compiler (`$CC`, else cc, gcc or clang)
+into a shared library in the `kernels` folder of `$TFM_CACHE` (default
 ~/.cache/transformer_cli), named by a hash of the source, compiler and flags, and loaded with
 ctypes, which releases the GIL during the call. Without x86-64 Linux, AVX-512 BF16 or a compiler,
 or with TFM_CPU_KERNELS=0, `attention_bf16` returns None and the model uses

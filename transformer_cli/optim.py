@@ -4,8 +4,8 @@ embedding tables; and gradient clipping that understands them.
 Under `model.lazy_embeddings`, an `nn.Embedding(sparse=True)` gets a sparse gradient: only the rows
 its batch looked up. `LazyAdamW` then updates just those rows, as TensorFlow's LazyAdam and torch's
 SparseAdam do, instead of reading and writing every row of every table at every step. That is
-faster, but it changes what the model learns (README, Configuration reference), so it is off by
-default.
+faster, but it changes what the model learns (a row that a step does not use gets neither its
+momentum nor weight decay), so it is off by default.
 """
 
 from __future__ import annotations

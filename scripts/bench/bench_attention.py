@@ -31,7 +31,7 @@ How to read the table
 
 Examples
     python scripts/bench/bench_attention.py                                    # the default shapes
-    python scripts/bench/bench_attention.py --shapes 32,2,512,32 --repeats 3 --json /tmp/attn.json
+    python scripts/bench/bench_attention.py --shapes 32,2,512,32 --repeats 3 --json attn.json
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ Models
                               paths run. Its accuracy is meaningless (~0.5); its speed is not.
 
 Examples
-    python scripts/bench/bench_infer.py --checkpoint runs/tfm --untrained-config configs/seed.toml --json /tmp/infer.json
+    python scripts/bench/bench_infer.py --checkpoint runs/tfm --untrained-config configs/seed.toml --json infer.json
     python scripts/bench/bench_infer.py -c runs/tfm --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
 """
 
