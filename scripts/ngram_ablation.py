@@ -32,10 +32,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the accuracies as JSON")
     args = ap.parse_args()
 
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_train_data
     from transformer_cli.errors import TfmError
-    from transformer_cli.evaluate import evaluate_model
+    from transformer_cli.evaluate import evaluate_model, load_model_dir
     from transformer_cli.runtime import make_runtime
 
     rt = make_runtime("cpu", "fp32")

@@ -1,5 +1,4 @@
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -10,37 +9,13 @@ import torch
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import ModelConfig
 from transformer_cli.errors import TfmError
+from transformer_cli.evaluate import load_model_dir
 from transformer_cli.model import CTransformer
 
 
 def tiny_model(**kw) -> CTransformer:
     cfg = ModelConfig(**{"d_model": 16, "n_heads": 2, "n_layers": 1, "ff_mult": 2, "ngram_buckets": 0, **kw})
     return CTransformer(cfg, vocab_size=40, max_length=16)
-
-
-# --------------------------------------------------------------------------- atomic writes
-
-
-def test_atomic_write_creates_replaces_and_leaves_no_temp_files(tmp_path):
-    path = tmp_path / "sub" / "f.bin"
-    ckpt.atomic_write_bytes(path, b"first")
-    ckpt.atomic_write_bytes(path, b"second")
-    assert path.read_bytes() == b"second"
-    assert os.listdir(path.parent) == ["f.bin"]
-
-
-def test_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
-    path = tmp_path / "f.bin"
-    ckpt.atomic_write_bytes(path, b"old")
-
-    def broken_replace(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(ckpt.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        ckpt.atomic_write_bytes(path, b"new")
-    assert path.read_bytes() == b"old"
-    assert os.listdir(tmp_path) == ["f.bin"]
 
 
 # --------------------------------------------------------------------------- weights
@@ -96,7 +71,7 @@ def edit_config(model_dir: Path, **changes) -> None:
 
 
 def test_load_model_dir(model_dir):
-    model, cfg, tokenizer, labels = ckpt.load_model_dir(model_dir)
+    model, cfg, tokenizer, labels = load_model_dir(model_dir)
     assert not model.training
     assert labels == ["neg", "pos"]
     assert model.encoder.tok_emb.num_embeddings == tokenizer.get_vocab_size()
@@ -108,16 +83,16 @@ def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
     assert meta["model"].pop("ngram_buckets") == 0 and meta["model"].pop("ngram_lr_scale")  # tiny.toml: off
     del meta["model"]["ngram_order"], meta["model"]["ngram_binary"], meta["model"]["ngram_own_loss"]
     (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
-    model, cfg, _, _ = ckpt.load_model_dir(model_dir)
+    model, cfg, _, _ = load_model_dir(model_dir)
     assert cfg.model.ngram_buckets == 0 and model.ngrams is None
 
 
 def test_load_model_dir_refuses_a_missing_directory(tmp_path):
     with pytest.raises(TfmError, match="does not exist"):
-        ckpt.load_model_dir(tmp_path / "nothing")
+        load_model_dir(tmp_path / "nothing")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(TfmError, match="'.*afile' is a file, not a directory"):
-        ckpt.load_model_dir(tmp_path / "afile")
+        load_model_dir(tmp_path / "afile")
 
 
 @pytest.mark.parametrize("edit", [
@@ -132,7 +107,7 @@ def test_load_model_dir_names_config_json_for_a_bad_value(model_dir, edit):
     edit(meta)
     (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
     with pytest.raises(TfmError, match="config.json' is incomplete or invalid") as e:
-        ckpt.load_model_dir(model_dir)
+        load_model_dir(model_dir)
     assert e.value.exit_code == 1  # a damaged model directory is not a usage error
 
 
@@ -144,28 +119,28 @@ def test_load_model_dir_refuses_weights_that_are_not_finite(model_dir, value):
     weights["head.bias"][0] = value
     save_file(weights, str(model_dir / ckpt.MODEL_FILE))
     with pytest.raises(TfmError, match=r"are not finite \(NaN or inf in head.bias\)"):
-        ckpt.load_model_dir(model_dir)
+        load_model_dir(model_dir)
 
 
 @pytest.mark.parametrize("name", [ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.MODEL_FILE])
 def test_load_model_dir_refuses_a_missing_file(model_dir, name):
     (model_dir / name).unlink()
     with pytest.raises(TfmError, match=f"{name} is missing"):
-        ckpt.load_model_dir(model_dir)
+        load_model_dir(model_dir)
 
 
 @pytest.mark.parametrize("version", [ckpt.FORMAT_VERSION + 1, None, "1"])
 def test_load_model_dir_refuses_another_format_version(model_dir, version):
     edit_config(model_dir, format_version=version)
     with pytest.raises(TfmError, match="format version"):
-        ckpt.load_model_dir(model_dir)
+        load_model_dir(model_dir)
 
 
 def test_load_model_dir_refuses_a_tokenizer_of_another_vocabulary(model_dir):
     meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
     edit_config(model_dir, vocab_size=meta["vocab_size"] + 1)
     with pytest.raises(TfmError, match="tokens but config.json says"):
-        ckpt.load_model_dir(model_dir)
+        load_model_dir(model_dir)
 
 
 # --------------------------------------------------------------------------- training checkpoints

@@ -341,19 +341,23 @@ def test_unreadable_data_files_fail_in_one_line_that_says_why(tmp_path, name, co
     assert not out.exists()
 
 
-def test_an_error_message_of_several_lines_is_printed_as_one(capsys):
-    import typer
+def fail_in_predict(monkeypatch, error: Exception) -> None:
+    """`tfm predict` raises `error` from the library function it calls."""
+    from transformer_cli import evaluate
 
-    from transformer_cli import cli as cli_mod
+    def fails(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(evaluate, "predict_texts", fails)
+
+
+def test_an_error_message_of_several_lines_is_printed_as_one(monkeypatch, tmp_path):
     from transformer_cli.errors import TfmError
 
-    def fails():
-        raise TfmError("could not read it:\n- method gz: not gzip\n- method tar: bad header\n")
-
-    with pytest.raises(typer.Exit) as e:
-        cli_mod._run(fails)
-    assert e.value.exit_code == 1
-    assert capsys.readouterr().err == "tfm: error: could not read it: - method gz: not gzip - method tar: bad header\n"
+    fail_in_predict(monkeypatch, TfmError("could not read it:\n- method gz: not gzip\n- method tar: bad header\n"))
+    result = tfm("predict", "-c", tmp_path, "good")
+    assert result.exit_code == 1
+    assert result.stderr == "tfm: error: could not read it: - method gz: not gzip - method tar: bad header\n"
 
 
 @pytest.mark.parametrize("error", [
@@ -361,18 +365,25 @@ def test_an_error_message_of_several_lines_is_printed_as_one(capsys):
     RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
                  "to allocate 4398046511104 bytes. Error code 12 (Cannot allocate memory)"),
 ], ids=["MemoryError", "cpu-allocator"])
-def test_out_of_memory_says_what_to_lower(capsys, error):
-    import typer
+def test_out_of_memory_says_what_to_lower(monkeypatch, tmp_path, error):
+    fail_in_predict(monkeypatch, error)
+    result = tfm("predict", "-c", tmp_path, "good")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("tfm: error: out of memory; lower --batch-size, data.max_length")
 
-    from transformer_cli import cli as cli_mod
 
-    def fails():
-        raise error
-
-    with pytest.raises(typer.Exit) as e:
-        cli_mod._run(fails)
-    assert e.value.exit_code == 1
-    assert capsys.readouterr().err.startswith("tfm: error: out of memory; lower --batch-size, data.max_length")
+@pytest.mark.parametrize(("error", "code", "line"), [
+    (KeyboardInterrupt(), 130, "tfm: error: interrupted"),
+    (PermissionError(13, "Permission denied", "runs/x"), 1, "tfm: error: Permission denied 'runs/x'"),
+    (ValueError("boom"), 1, "tfm: error: unexpected ValueError: boom (set TFM_DEBUG=1 to see the traceback)"),
+], ids=["ctrl-c", "os-error", "bug"])
+def test_any_error_in_a_command_is_one_line_and_an_exit_code(monkeypatch, tmp_path, error, code, line):
+    fail_in_predict(monkeypatch, error)
+    assert_fails_cleanly(tfm("predict", "-c", tmp_path, "good"), code)
+    assert tfm("predict", "-c", tmp_path, "good").stderr == line + "\n"
+    if isinstance(error, ValueError):
+        monkeypatch.setenv("TFM_DEBUG", "1")
+        assert tfm("predict", "-c", tmp_path, "good").exception is error  # re-raised, with its traceback
 
 
 def test_test_without_a_test_split_is_refused_before_training(tmp_path, test_rows):

@@ -8,7 +8,9 @@ from conftest import CONFIGS
 from transformer_cli.config import (
     Config,
     ModelConfig,
+    TrainConfig,
     apply_overrides,
+    check_device_and_precision,
     load_config,
     parse_overrides,
     parse_value,
@@ -39,10 +41,13 @@ def test_every_shipped_config_parses_and_applies_its_values(path):
             assert cfg[section][key] == value, f"{path.name}: {section}.{key}"
 
 
-def test_base_toml_documents_the_built_in_defaults():
-    base = CONFIGS / "base.toml"
-    assert base.is_file(), "configs/base.toml is the default recipe"
-    assert load_config(base).to_dict() == Config().to_dict()
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(path):
+    defaults = Config().to_dict()
+    written = tomllib.loads(path.read_text(encoding="utf-8"))
+    same = [f"{section}.{key}" for section, values in written.items() for key, value in values.items()
+            if defaults[section][key] == value]
+    assert not same, f"{path.name} restates defaults: {same}"
 
 
 @pytest.mark.parametrize(
@@ -92,6 +97,27 @@ def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
         Config.from_dict(d)
     for part in expected:
         assert part in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
+def test_unknown_device_names_are_usage_errors(name):
+    with pytest.raises(UsageError, match="unknown device; use auto, cpu, cuda, cuda:N or mps"):
+        check_device_and_precision(name, None)
+    with pytest.raises(UsageError, match="train.device"):
+        TrainConfig(device=name)
+
+
+def test_unknown_precision_names_are_usage_errors():
+    with pytest.raises(UsageError, match="--precision fp8: unknown precision; use auto, fp32, bf16 or fp16"):
+        check_device_and_precision("cpu", "fp8")
+    with pytest.raises(UsageError, match="train.precision"):
+        TrainConfig(precision="fp8")
+
+
+@pytest.mark.parametrize(("device", "precision"), [("auto", None), ("cuda:1", "bf16"), ("mps", "fp16"), ("cpu", "fp32")])
+def test_device_and_precision_names_that_a_run_accepts_pass(device, precision):
+    check_device_and_precision(device, precision)
+    TrainConfig(device=device, precision=precision or "auto")
 
 
 def test_section_must_be_a_table():
@@ -182,8 +208,8 @@ def test_replace_changes_only_the_given_fields_and_validates():
 
 
 @pytest.mark.parametrize("path", [None, *CONFIG_FILES], ids=lambda p: "defaults" if p is None else p.name)
-def test_json_round_trip_is_identity(path):
-    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": "/tmp/x"})
+def test_json_round_trip_is_identity(path, tmp_path):
+    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": str(tmp_path / "cache")})
     again = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     assert again.to_dict() == cfg.to_dict()

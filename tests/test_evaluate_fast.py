@@ -1,6 +1,6 @@
 """The fast inference path (length-sorted, token-budgeted batches run by one-thread workers; logits
 gathered once) against the reference: one review at a time, unbatched and unpadded. No timings here;
-speed is measured by scripts/bench_infer.py."""
+speed is measured by scripts/bench/bench_infer.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from conftest import one_at_a_time_logits
 
 from transformer_cli import evaluate as ev
@@ -78,7 +77,7 @@ def test_batch_plan_fills_batches_up_to_the_token_budget():
 
 def test_ranks_split_the_batches_between_them():
     enc = random_encoded(50)
-    per_rank = [ev._batches(enc, 4, Runtime(torch.device("cpu"), None, rank=r, world_size=3)) for r in range(3)]
+    per_rank = [ev.batches_for(enc, 4, Runtime(torch.device("cpu"), None, rank=r, world_size=3)) for r in range(3)]
     flat = [i for batches in per_rank for b in batches for i in b.tolist()]
     assert sorted(flat) == list(range(50))
 
@@ -102,7 +101,7 @@ def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, mon
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
     monkeypatch.setattr(ev, "CPU_WORKERS", workers)
     model, enc = random_model(**cfg), random_encoded(60)
-    fast = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2).double()
+    fast = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2).double()
     torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)  # and in input order
 
 
@@ -134,9 +133,9 @@ def test_cpu_workers_share_the_threads_evenly_up_to_the_cap(threads, cap, split,
 def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     model, enc = random_model(seed=2), random_encoded(120, seed=2)
-    batches = ev._batches(enc, 16, CPU)
+    batches = ev.batches_for(enc, 16, CPU)
     recorder = RecordingModel(model)
-    fast = ev._logits(recorder, enc, batches, CPU, 2)
+    fast = ev.batched_logits(recorder, enc, batches, CPU, 2)
     assert len(recorder.calls) == len(batches) > 2
     assert {calls[1:] for calls in recorder.calls} == {(1, True)}  # one torch thread each, inference mode
     assert threading.get_ident() not in {c[0] for c in recorder.calls}
@@ -144,15 +143,15 @@ def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch
     assert torch.get_num_threads() == 2  # restored
     monkeypatch.setattr(ev, "CPU_WORKERS", 1)  # the reference: each operation on both threads
     one = RecordingModel(model)
-    torch.testing.assert_close(fast, ev._logits(one, enc, batches, CPU, 2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast, ev.batched_logits(one, enc, batches, CPU, 2), atol=1e-5, rtol=0)
     assert set(one.calls) == {(threading.get_ident(), 2, True)}
 
 
 def test_cpu_logits_are_the_same_on_one_thread_and_on_two_workers(two_torch_threads):
     model, enc = random_model(seed=4), random_encoded(150, seed=4)
-    two = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2)  # 2 workers of one thread
+    two = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2)  # 2 workers of one thread
     torch.set_num_threads(1)
-    one = ev._logits(model, enc, ev._batches(enc, 16, CPU), CPU, 2)  # the same batches, in this thread
+    one = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2)  # the same batches, in this thread
     assert torch.equal(one, two)  # bit for bit: a validation figure does not depend on the thread count
 
 
@@ -162,7 +161,7 @@ def test_cpu_workers_of_two_threads_each(monkeypatch, two_torch_threads):
     torch.set_num_threads(4)  # 2 workers of 2 threads (oversubscribed on a 2-core machine: correctness only)
     model, enc = random_model(seed=3), random_encoded(120, seed=3)
     recorder = RecordingModel(model)
-    fast = ev._logits(recorder, enc, ev._batches(enc, 16, CPU), CPU, 2)
+    fast = ev.batched_logits(recorder, enc, ev.batches_for(enc, 16, CPU), CPU, 2)
     assert {c[1:] for c in recorder.calls} == {(2, True)}  # two torch threads each, inference mode
     assert threading.get_ident() not in {c[0] for c in recorder.calls}
     assert torch.get_num_threads() == 4
@@ -173,7 +172,7 @@ def test_cpu_workers_restore_the_threads_when_a_batch_fails(monkeypatch, two_tor
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     enc = random_encoded(120, seed=2)
     with pytest.raises(RuntimeError, match="boom"):
-        ev._logits(RecordingModel(random_model(), fail_at=3), enc, ev._batches(enc, 16, CPU), CPU, 2)
+        ev.batched_logits(RecordingModel(random_model(), fail_at=3), enc, ev.batches_for(enc, 16, CPU), CPU, 2)
     assert torch.get_num_threads() == 2
 
 
@@ -200,8 +199,8 @@ def test_evaluate_model_on_an_empty_share_of_the_batches(monkeypatch):
 
 
 def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, test_rows, monkeypatch):
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import encode_texts
+    from transformer_cli.evaluate import load_model_dir
 
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 300)  # many batches of different sizes
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
@@ -215,8 +214,8 @@ def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, t
 
 
 def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import encode_texts
+    from transformer_cli.evaluate import load_model_dir
 
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
     d = cfg.data

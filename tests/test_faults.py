@@ -36,10 +36,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from transformer_cli import checkpoint as ckpt
+from transformer_cli import fileio
 from transformer_cli import train as train_mod
 from transformer_cli.cli import app
 from transformer_cli.config import Config
 from transformer_cli.errors import TfmError
+from transformer_cli.evaluate import load_model_dir
 from transformer_cli.model import CTransformer
 from transformer_cli.train import train
 
@@ -579,7 +581,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(synthetic_data_dir
             hit = len(folders) == 2 and p.parent.name == folders[1] and p.name.startswith(f".{victim}.tmp")
         return FullDisk(f) if "w" in mode and hit else f
 
-    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+    monkeypatch.setattr(fileio, "open", fake_open, raising=False)
     args = [*train_args(synthetic_data_dir, out), "--max-steps", "12", "train.checkpoint_every=4"]
     if victim == "best-model":
         args.append("train.eval_every=6")
@@ -648,7 +650,7 @@ def test_malicious_pickle_as_weights_is_refused(synthetic_data_dir, trained_copy
     marker = tmp_path / "pwned"
     (trained_copy / ckpt.MODEL_FILE).write_bytes(evil_bytes(marker, "pickle"))
     with pytest.raises(TfmError, match="not safetensors"):
-        ckpt.load_model_dir(trained_copy)
+        load_model_dir(trained_copy)
     assert_one_line_error(cli("predict", "-c", trained_copy, "--device", "cpu", "great film"), 1, "not safetensors")
     latest = ckpt.checkpoint_dirs(trained_copy)[-1]
     (latest / ckpt.MODEL_FILE).write_bytes(evil_bytes(marker, "torch.save"))

@@ -13,13 +13,18 @@ CAN_RUN = sys.platform.startswith("linux") and platform.machine() == "x86_64" an
 needs_avx512_bf16 = pytest.mark.skipif(not CAN_RUN, reason="the kernel needs x86-64 Linux with AVX-512 BF16")
 
 
+def forget_the_library(monkeypatch) -> None:
+    """The kernel module as if nothing was loaded or failed yet, until monkeypatch restores it."""
+    monkeypatch.setattr(kernels, "_lib", None)
+    monkeypatch.setattr(kernels, "_reason", None)
+
+
 @pytest.fixture
 def fresh_kernels(tmp_path, monkeypatch):
-    """The kernel module with nothing loaded and its cache in tmp_path; reloaded from scratch after."""
+    """The kernel module with nothing loaded and its cache in tmp_path; as it was again after."""
     monkeypatch.setenv("TFM_CACHE", str(tmp_path))
-    kernels.reset()
-    yield tmp_path / "kernels"
-    kernels.reset()
+    forget_the_library(monkeypatch)
+    return tmp_path / "kernels"
 
 
 def qkv_and_mask(B: int, T: int, H: int, D: int, lengths: list[int], seed: int = 0):
@@ -129,12 +134,12 @@ def test_model_inference_with_the_kernel_matches_sdpa(kw):
 
 
 @needs_avx512_bf16
-def test_the_library_is_compiled_once_into_the_cache(fresh_kernels):
+def test_the_library_is_compiled_once_into_the_cache(fresh_kernels, monkeypatch):
     assert kernels.available() and kernels.unavailable_reason() is None
     built = list(fresh_kernels.glob("attention_bf16-*.so"))
     assert len(built) == 1 and not list(fresh_kernels.glob("*.tmp"))
     stamp = built[0].stat().st_mtime_ns
-    kernels.reset()
+    forget_the_library(monkeypatch)
     assert kernels.available()
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 

@@ -16,12 +16,6 @@ from transformer_cli.runtime import Runtime, make_runtime, resolve_device, resol
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
-def test_unknown_device_names_are_usage_errors(name):
-    with pytest.raises(UsageError, match="unknown device; use auto, cpu, cuda, cuda:N or mps"):
-        resolve_device(name)
-
-
 def test_devices_this_machine_has_and_has_not(monkeypatch):
     assert resolve_device("cpu") == CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -45,15 +39,13 @@ def test_precision_choices_on_the_cpu(monkeypatch):
     assert resolve_precision("fp32", CPU) is None
     with pytest.raises(UsageError, match="fp16 is not supported on CPU"):
         resolve_precision("fp16", CPU)
-    with pytest.raises(UsageError, match="--precision fp8: unknown precision; use auto, fp32, bf16 or fp16"):
-        resolve_precision("fp8", CPU)
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: False)
     assert resolve_precision("auto", CPU) is None  # emulated bf16 would be slower than fp32
     with pytest.raises(UsageError, match="no native bf16"):
         resolve_precision("bf16", CPU)
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)
     assert resolve_precision("bf16", CPU) is torch.bfloat16
-    assert resolve_precision("auto", CPU) is torch.bfloat16  # native bf16: faster (README, Performance)
+    assert resolve_precision("auto", CPU) is torch.bfloat16  # native bf16: faster
 
 
 @pytest.mark.parametrize(("x86", "avx512_bf16", "amx", "mkldnn_bf16", "native"), [

@@ -21,31 +21,31 @@ SHRINK = ["train.max_steps=3", "data.max_length=64", "data.vocab_size=500", "tra
 
 def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(synthetic_data_dir),
-           "--out", str(tmp_path / "runs"), "--recipes", "quick", "--seeds", "1", "2",
+           "--out", str(tmp_path / "runs"), "--recipes", "default", "--seeds", "1", "2",
            "--results-dir", str(tmp_path / "results"), *SHRINK]
     first = run(cmd)
     assert first.returncode == 0, first.stderr[-2000:]
-    rows = [line for line in first.stdout.splitlines() if line.startswith("| quick |")]
+    rows = [line for line in first.stdout.splitlines() if line.startswith("| default |")]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "2"]
     for seed, row in zip((1, 2), rows):
-        test = json.loads((tmp_path / "results" / f"quick-s{seed}.json").read_text())
-        assert test == json.loads((tmp_path / "runs" / f"quick-s{seed}" / "test.json").read_text())
+        test = json.loads((tmp_path / "results" / f"default-s{seed}.json").read_text())
+        assert test == json.loads((tmp_path / "runs" / f"default-s{seed}" / "test.json").read_text())
         assert test["num_examples"] == 200 and f"{test['accuracy']:.2%}" in row
-    assert "quick: test accuracy" in first.stdout and "over 2 seeds" in first.stdout
+    assert "default: test accuracy" in first.stdout and "over 2 seeds" in first.stdout
 
     assert all("train.max_steps=3" in row and "--seed" in row for row in rows)
     # Finished runs are not repeated, and their rows show the command that trained them, not this one.
     again = run([*cmd, "train.log_every=7"])
     assert again.returncode == 0 and "$ " not in again.stdout
-    assert [line for line in again.stdout.splitlines() if line.startswith("| quick |")] == rows
+    assert [line for line in again.stdout.splitlines() if line.startswith("| default |")] == rows
 
 
 def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):
     import torch
     from conftest import one_at_a_time_logits, tiny_config
 
-    from transformer_cli.checkpoint import load_model_dir
     from transformer_cli.data import prepare_train_data
+    from transformer_cli.evaluate import load_model_dir
     from transformer_cli.train import train
 
     metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", model__ngram_buckets=256), progress=False)
@@ -77,13 +77,13 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
 
 
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from _bench_common import forward_flops
     from bench_train import parse_args
 
     assert parse_args([]).variants[:4] == ["a", "a_masked", "b", "c"]  # (a) beside its equal-work variant by default
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
            "--heads", "2", "--layers", "1", "--seq-len", "64", "--vocab", "100", "--batch-size", "4", "--steps", "2",
            "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,a_fp32,a_masked,b",
            "--json", str(out)]
@@ -118,7 +118,7 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatc
 
 
 def test_bench_train_profiles_where_a_step_went(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from _bench_common import op_group
     from bench_train import main
 
@@ -148,7 +148,7 @@ def test_bench_train_profiles_where_a_step_went(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_attention_times_both_kernels_and_checks_they_agree(tmp_path, capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from bench_attention import main
 
     from transformer_cli import kernels
@@ -186,7 +186,7 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     from transformer_cli.runtime import cpu_has_fast_bf16
 
     out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--data",
            str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--compare-workers", "--compare-precision",
            "--compare-tokens-per-thread", "0,4096,64", "--compare-samples", "120", "--compare-rounds", "1",
            "--profile", "--json", str(out)]
@@ -219,7 +219,7 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
 @pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="the attention kernel needs AVX-512 BF16")
 def test_bench_infer_compares_the_attention_kernel_with_sdpa(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--data",
            str(synthetic_data_dir), "--threads", "2", "--skip-cold-start", "--precision", "bf16",
            "--compare-attention", "--compare-samples", "80", "--compare-rounds", "1", "--json", str(out)]
     done = run(cmd)
@@ -237,7 +237,7 @@ def test_bench_infer_compares_the_attention_kernel_with_sdpa(trained_dir, synthe
 @needs_cxx
 def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--data",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--data",
            str(synthetic_data_dir), "--split", "test", "--threads", "1", "--skip-cold-start", "--compile",
            "--json", str(out)]
     done = run(cmd)
@@ -251,7 +251,7 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
 
 def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_dir, tmp_path, monkeypatch):
     out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
            "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -266,7 +266,7 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     from transformer_cli import data as data_mod
     from transformer_cli.evaluate import predict_texts
 
-    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from bench_infer import long_review
 
     text = long_review(tmp_path / "long.txt", 0.3).read_text(encoding="utf-8").rstrip("\n")

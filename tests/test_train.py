@@ -15,6 +15,7 @@ from transformer_cli import runtime
 from transformer_cli import train as train_mod
 from transformer_cli.config import LEGACY_VALUES, TrainConfig
 from transformer_cli.errors import UsageError
+from transformer_cli.evaluate import load_model_dir
 from transformer_cli.train import Interrupted, lr_at, train
 
 # The synthetic train split: 400 examples, 10% held out -> 360; tiny.toml: batch 16, 2 epochs.
@@ -372,7 +373,7 @@ def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_
     assert [g["lr"] for g in tensors["optimizer"]["param_groups"]] == [lr, lr, 4.0 * lr]
     saved = load_file(tmp_path / "run" / ckpt.MODEL_FILE)
     assert saved["ngrams.table.weight"].abs().sum() > 0  # it learned, and was saved with the rest
-    model, cfg, tokenizer, _ = ckpt.load_model_dir(tmp_path / "run")
+    model, cfg, tokenizer, _ = load_model_dir(tmp_path / "run")
     assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
     texts = ["a great superb film", "an awful boring film"]
     ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
@@ -553,5 +554,5 @@ def test_a_compiled_run_trains_as_the_eager_one_and_saves_the_raw_modules_weight
         torch.testing.assert_close(tensor, eager[name], rtol=1e-4, atol=1e-4, msg=name)
     saved = load_file(tmp_path / "compiled" / ckpt.MODEL_FILE)
     assert saved.keys() == eager.keys()
-    model, _, _, _ = ckpt.load_model_dir(tmp_path / "compiled")
+    model, _, _, _ = load_model_dir(tmp_path / "compiled")
     assert all(p.equal(saved[n]) for n, p in model.state_dict().items())

@@ -1,53 +1,78 @@
-"""`tfm`: thin Typer commands. Each parses options and calls a plain function; errors become one
-line on stderr and an exit code (1 runtime, 2 usage). torch is imported only inside commands."""
+"""`tfm`: thin Typer commands. Each parses options and calls a plain function; the app's group is the
+one place where errors become one line on stderr and an exit code (1 runtime, 2 usage). torch is
+imported only inside commands."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
+from transformer_cli import __version__
+from transformer_cli.config import load_config, parse_overrides
 from transformer_cli.errors import TfmError, UsageError
 
-app = typer.Typer(
-    help="Train, evaluate and run a from-scratch transformer sentiment classifier on IMDB reviews.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+
+class _Tfm(TyperGroup):
+    """The `tfm` command group, whose `main` is the CLI's one error boundary."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> NoReturn:
+        """Parse the command line and run the command. Whatever either raises becomes one `tfm: error: ...`
+        line on stderr and the exit code; click's own usage errors too, instead of its boxed message."""
+        click_exception, usage_error, no_args = _click_errors()
+        try:
+            with self.make_context(prog_name or "tfm", sys.argv[1:] if args is None else list(args), **extra) as ctx:
+                self.invoke(ctx)
+        except typer.Exit as e:  # --help, --version
+            sys.exit(e.exit_code)
+        except no_args as e:  # `tfm` alone: the help (typer prints it with rich itself), exit code 2
+            if e.format_message():
+                e.show()
+            sys.exit(e.exit_code)
+        except usage_error as e:
+            see = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            _exit_with_error(e.format_message() + see, e.exit_code)
+        except click_exception as e:
+            _exit_with_error(e.format_message(), e.exit_code)
+        except TfmError as e:
+            _exit_with_error(str(e), e.exit_code)
+        except (KeyboardInterrupt, typer.Abort):
+            _exit_with_error("interrupted", 130)
+        except OSError as e:
+            if e.errno == errno.EPIPE:  # the reader of the output (`tfm predict ... | head`) has gone
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+                sys.exit(1)
+            where = f" '{e.filename}'" if e.filename else ""
+            _exit_with_error(f"{e.strerror or e}{where}", 1)
+        except Exception as e:  # a bug: still one line, with the traceback on request
+            if os.environ.get("TFM_DEBUG"):
+                raise
+            if _out_of_memory(e):
+                _exit_with_error("out of memory; lower --batch-size, data.max_length or the model's sizes", 1)
+            _exit_with_error(f"unexpected {type(e).__name__}: {e} (set TFM_DEBUG=1 to see the traceback)", 1)
+        sys.exit(0)
 
 
-def _error_line(message: str) -> str:
-    """`tfm: error: ...` on one line, whatever the message holds."""
-    return "tfm: error: " + " ".join(line.strip() for line in message.splitlines() if line.strip())
+def _click_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
+    """(ClickException, UsageError, NoArgsIsHelpError) of the click that typer runs on (typer >= 0.29
+    vendors its own copy, so `import click` would not catch them)."""
+    by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
+    click_exception, usage_error = by_name["ClickException"], by_name["UsageError"]
+    no_args = next((c for c in usage_error.__subclasses__() if c.__name__ == "NoArgsIsHelpError"), ())
+    return click_exception, usage_error, no_args
 
 
-def _fail(message: str, code: int) -> None:
-    typer.echo(_error_line(message), err=True)
-    raise typer.Exit(code)
-
-
-def _run(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except TfmError as e:
-        _fail(str(e), e.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    except OSError as e:
-        where = f" '{e.filename}'" if e.filename else ""
-        _fail(f"{e.strerror or e}{where}", 1)
-    except Exception as e:  # a bug: still one line, with the traceback on request
-        if os.environ.get("TFM_DEBUG"):
-            raise
-        if _out_of_memory(e):
-            _fail("out of memory; lower --batch-size, data.max_length or the model's sizes", 1)
-        _fail(f"unexpected {type(e).__name__}: {e} (set TFM_DEBUG=1 to see the traceback)", 1)
+def _exit_with_error(message: str, code: int) -> NoReturn:
+    """`tfm: error: ...` on one line, whatever the message holds, and exit with `code`."""
+    typer.echo("tfm: error: " + " ".join(line.strip() for line in message.splitlines() if line.strip()), err=True)
+    sys.exit(code)
 
 
 def _out_of_memory(e: Exception) -> bool:
@@ -56,10 +81,17 @@ def _out_of_memory(e: Exception) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+app = typer.Typer(
+    cls=_Tfm,
+    help="Train, evaluate and run a from-scratch transformer sentiment classifier on IMDB reviews.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
 def _print_version(value: bool) -> None:
     if value:
-        from transformer_cli import __version__
-
         typer.echo(f"tfm {__version__}")
         raise typer.Exit()
 
@@ -83,7 +115,7 @@ def train(
     overrides: Annotated[list[str] | None, typer.Argument(
         help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
         show_default=False)] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in base recipe.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in default recipe.")] = None,
     data: Annotated[str | None, typer.Option(help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s); default: env TFM_DATA, else the config's.", show_default=False)] = None,
     output_dir: Annotated[Path | None, typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
     epochs: Annotated[int | None, typer.Option(help="Passes over the training split.")] = None,
@@ -109,20 +141,14 @@ def train(
         "data.max_train_samples": max_train_samples, "data.max_eval_samples": max_eval_samples,
         "train.test_at_end": True if test else None,
     }
+    values = parse_overrides(overrides or [])
+    values.update({k: v for k, v in options.items() if v is not None})
+    if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
+        values["data.source"] = os.environ["TFM_DATA"]
+    cfg = load_config(config, values)
+    from transformer_cli.train import train as run_train  # imports torch
 
-    def go():
-        from transformer_cli.config import load_config, parse_overrides
-
-        values = parse_overrides(overrides or [])
-        values.update({k: v for k, v in options.items() if v is not None})
-        if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
-            values["data.source"] = os.environ["TFM_DATA"]
-        cfg = load_config(config, values)
-        from transformer_cli.train import train as run_train
-
-        return run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
-
-    metrics = _run(go)
+    metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
     val = metrics.get("val", {})
@@ -181,14 +207,10 @@ def predict(
     precision: InferPrecision = None,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
+    inputs = _read_inputs(texts or [], file)
+    from transformer_cli.evaluate import predict_texts  # imports torch
 
-    def go():
-        inputs = _read_inputs(texts or [], file)
-        from transformer_cli.evaluate import predict_texts
-
-        return inputs, predict_texts(checkpoint, inputs, device, batch_size, precision)
-
-    inputs, results = _run(go)
+    results = predict_texts(checkpoint, inputs, device, batch_size, precision)
     for text, r in zip(inputs, results):
         if as_json:
             typer.echo(json.dumps(r))
@@ -198,7 +220,7 @@ def predict(
 
 def snippet(text: str, width: int = 60) -> str:
     """`text` on one line, its whitespace runs as single spaces, cut to `width` characters. Only as much
-    of its start is read as holds enough words: collapsing a 50 MB review whole took 1.4 s and 0.7 GB."""
+    of its start is read as holds enough words, so that a huge review costs no more than a short one."""
     size = 4 * width
     while len(line := " ".join(text[:size].split())) <= width and size < len(text):
         size *= 4  # mostly whitespace so far
@@ -218,13 +240,9 @@ def evaluate(
     precision: InferPrecision = None,
 ) -> None:
     """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
+    from transformer_cli.evaluate import evaluate_checkpoint  # imports torch
 
-    def go():
-        from transformer_cli.evaluate import evaluate_checkpoint
-
-        return evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
-
-    m = _run(go)
+    m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
     typer.echo(json.dumps(m) if as_json else evaluation_report(m))
 
 
@@ -239,38 +257,8 @@ def evaluation_report(m: dict) -> str:
     return "\n".join(lines)
 
 
-def _click_errors() -> tuple[type[Exception], type[Exception], type[Exception]]:
-    """(ClickException, UsageError, NoArgsIsHelpError) of the click that typer runs on (typer >= 0.29
-    vendors its own copy, so `import click` would not catch them)."""
-    by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
-    click_exception, usage_error = by_name["ClickException"], by_name["UsageError"]
-    no_args = next((c for c in usage_error.__subclasses__() if c.__name__ == "NoArgsIsHelpError"), ())
-    return click_exception, usage_error, no_args
-
-
 def main() -> None:
-    """Run the app; errors in the command line itself (an unknown option, a value of the wrong type)
-    become one line too, instead of click's boxed message."""
-    click_exception, usage_error, no_args = _click_errors()
-    try:
-        code = app(prog_name="tfm", standalone_mode=False)
-    except no_args as e:  # `tfm` alone: the help (typer prints it with rich itself), exit code 2
-        if e.format_message():
-            e.show()
-        sys.exit(e.exit_code)
-    except usage_error as e:
-        see = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-        _exit_with_error(e.format_message() + see, e.exit_code)
-    except click_exception as e:
-        _exit_with_error(e.format_message(), e.exit_code)
-    except typer.Abort:  # Ctrl-C outside a command's own handling
-        _exit_with_error("interrupted", 130)
-    sys.exit(code if isinstance(code, int) else 0)
-
-
-def _exit_with_error(message: str, code: int) -> None:
-    typer.echo(_error_line(message), err=True)
-    sys.exit(code)
+    app(prog_name="tfm")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
-import os
 import re
 import tarfile
 from collections.abc import Iterable
@@ -21,9 +21,10 @@ import numpy as np
 
 from transformer_cli.config import DataConfig
 from transformer_cli.errors import TfmError, UsageError, cause_line, first_line
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, cache_dir
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-PAD_ID, UNK_ID, CLS_ID = 0, 1, 2
+PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
 DEFAULT_LABELS = ["neg", "pos"]
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
@@ -285,11 +286,6 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
 # --------------------------------------------------------------------------- tokenizer
 
 
-def cache_dir(cfg: DataConfig) -> Path:
-    d = cfg.cache_dir or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli"
-    return Path(d).expanduser()
-
-
 def _key(*parts) -> str:
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
@@ -322,15 +318,13 @@ def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
     from tokenizers import Tokenizer
 
     key = _key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
-    path = cache_dir(cfg) / f"tokenizer-{key}.json"
+    path = cache_dir(cfg.cache_dir) / f"tokenizer-{key}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception:
             pass  # a damaged cache entry is rebuilt below
     tok = train_tokenizer(train.texts, cfg)
-    from transformer_cli.checkpoint import atomic_write_text
-
     try:
         atomic_write_text(path, tok.to_str())
     except OSError:
@@ -374,9 +368,9 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
 
 
 def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: float) -> list[int]:
-    """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a
-    50 MB review took 8 GB and over a minute to encode whole. Each end is cut where a word ends, and
-    grows until it holds enough tokens; text that never does is encoded whole."""
+    """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a huge
+    review would take a lot of memory and time to encode whole. Each end is cut where a word ends,
+    and grows until it holds enough tokens; text that never does is encoded whole."""
     n_head = limit if truncation == "head" else int(round(limit * head_fraction))
     n_tail = limit - n_head
     chars = 8 * limit + 64
@@ -435,7 +429,7 @@ def _cut_after(text: str, n: int) -> int:
 
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
     key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
-    path = cache_dir(cfg) / f"encoded-{key}.npz"
+    path = cache_dir(cfg.cache_dir) / f"encoded-{key}.npz"
     if path.is_file():
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -444,11 +438,7 @@ def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is rebuilt below
     ids, offsets = encode_texts(tokenizer, raw.texts, cfg.max_length, cfg.truncation, cfg.head_fraction)
-    from transformer_cli.checkpoint import atomic_write_bytes
-
     try:
-        import io
-
         buf = io.BytesIO()
         np.savez(buf, ids=ids, offsets=offsets)
         atomic_write_bytes(path, buf.getvalue())
@@ -471,19 +461,16 @@ class BucketSampler:
 
     def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, shuffle: bool = True,
                  world_size: int = 1, rank: int = 0, bucket_batches: int = 50):
+        assert shuffle, "always shuffled (the argument stays for positional callers); see evaluate.batch_plan"
         self.lengths = lengths
         self.batch_size = batch_size
         self.seed = seed
-        self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
         self.bucket_batches = bucket_batches
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         n = len(self.lengths)
-        if not self.shuffle:
-            order = np.argsort(self.lengths, kind="stable")
-            return [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(n)
         window = self.batch_size * self.bucket_batches
@@ -504,9 +491,6 @@ class BucketSampler:
                 out.append(b[self.rank * per : (self.rank + 1) * per])
         return out
 
-    def __len__(self) -> int:
-        return len(self.batches(0))
-
 
 PAD_MULTIPLE = 32  # batch widths are rounded up to a multiple of this (see collate)
 
@@ -520,8 +504,7 @@ def batch_width(enc: Encoded, idx: np.ndarray) -> int:
     """The width `collate` pads a batch to: its longest review rounded up to a multiple of
     PAD_MULTIPLE, but no longer than the longest review of `enc` (so never past the model's
     max_length). A few batch shapes instead of one per length keep the allocator's and oneDNN's
-    caches warm (default model, 150 training steps on real batches: 1.10-1.27x faster, 0.2-0.6 GB
-    less peak memory; README, Performance)."""
+    caches warm: faster steps and less peak memory."""
     width = int(enc.lengths[idx].max())
     return min(round_width(width), enc.longest)  # >= width: idx is part of enc
 

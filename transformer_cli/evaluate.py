@@ -1,32 +1,34 @@
-"""Inference and metrics: used by validation during training, `tfm evaluate` and `tfm predict`.
+"""Inference and metrics: loading a trained model, validation during training, `tfm evaluate`
+and `tfm predict`.
 
 Batching: examples are sorted by length, so that a batch holds reviews of similar length and
 little padding, and cut into batches of at most `batch_size` reviews. On the CPU a batch also
-holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread, counted as reviews x longest review
-before `collate` rounds the width up to a multiple of 32 (so up to 31 columns more): the activations of a few
-thousand tokens per core stay in its caches, which made the forward pass 1.5-2x faster per review
-than batches of 256 reviews of up to 256 tokens (`scripts/bench_infer.py --compare-tokens-per-thread
-0,2048,4096,8192` measures it). The CPU's torch threads are split between up to `CPU_WORKERS`
-workers, each running whole batches on its share, rather than all threads sharing each operation:
-on 2 cores, 2 workers of one thread were 1.2-1.3x faster (`--compare-workers` measures it). The cap
-keeps the workers' Python work, serialised by the GIL, small beside their batches on many cores.
-Logits are gathered in input order into one tensor, and loss, confusion matrix and probabilities are
-computed from it once.
+holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread (reviews x longest review, before
+`collate` rounds the width up), so that its activations stay in the core's caches. The CPU's
+torch threads are split between up to `CPU_WORKERS` workers, each running whole batches on its
+share, rather than all threads sharing each small operation; the cap keeps the workers' Python
+work, serialised by the GIL, small beside their batches on many cores. Logits are gathered in
+input order into one tensor, and loss, confusion matrix and probabilities are computed from it once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.data import Encoded, collate, encode_texts, local_paths
+from transformer_cli.checkpoint import CONFIG_FILE, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILE, load_weights
+from transformer_cli.config import Config, check_device_and_precision, with_legacy_values
+from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.runtime import Runtime
+from transformer_cli.fileio import read_json
+from transformer_cli.model import CTransformer
+from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
 CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
@@ -65,12 +67,13 @@ def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = No
     return batches
 
 
-def _batches(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
-    """This rank's batches: under DDP each rank takes every world_size-th one."""
+def batches_for(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
+    """This rank's batches of `enc` as evaluation runs them: under DDP each rank takes every
+    world_size-th one."""
     return _plan(enc.lengths, batch_size, rt)[rt.rank :: rt.world_size]
 
 
-def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
+def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits on the CPU, in the order of `enc`; rows of examples in no
     batch stay zero. The model must be in eval mode."""
 
@@ -82,8 +85,6 @@ def _logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_lab
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
     if workers > 1 and len(batches) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         with torch_threads(per_worker):  # torch's thread count is per thread: each worker sets its own
             pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
             try:
@@ -117,9 +118,9 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    batches = _batches(enc, batch_size, rt)
+    batches = batches_for(enc, batch_size, rt)
     try:
-        logits = _logits(model, enc, batches, rt, num_labels)
+        logits = batched_logits(model, enc, batches, rt, num_labels)
     finally:
         model.train(was_training)
     mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
@@ -158,16 +159,54 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     """(N, num_labels) probabilities, in the order of `texts`. The model must be in eval mode."""
     ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    logits = _logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
+    logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
     return logits.softmax(-1).numpy().astype(np.float64)
+
+
+def load_model_dir(path: str | Path, device="cpu"):
+    """(model in eval mode, Config, tokenizer, labels) from a `tfm train` output directory."""
+    from tokenizers import Tokenizer
+
+    out = Path(path)
+    if not out.is_dir():
+        what = "is a file, not a directory" if out.exists() else "does not exist"
+        raise TfmError(f"checkpoint directory '{out}' {what}; pass the --output-dir of a `tfm train` run")
+    for name in (CONFIG_FILE, TOKENIZER_FILE, MODEL_FILE):
+        if not (out / name).is_file():
+            raise TfmError(f"'{out}' is not a complete model directory: {name} is missing")
+    meta = read_json(out / CONFIG_FILE, "config")
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version") if isinstance(meta, dict) else None
+        raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    try:
+        cfg = Config.from_dict(with_legacy_values({k: meta[k] for k in ("model", "data", "train")}))
+        labels, vocab_size = meta["labels"], int(meta["vocab_size"])
+        if not (isinstance(labels, list) and len(labels) >= 2 and all(isinstance(x, str) for x in labels)
+                and len(set(labels)) == len(labels)):
+            raise ValueError(f"labels must be a list of at least two distinct names, not {labels!r}")
+    except (KeyError, TypeError, ValueError, TfmError) as e:  # TfmError: a value the config refuses
+        raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
+    try:
+        tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
+    except Exception as e:
+        raise TfmError(f"tokenizer '{out / TOKENIZER_FILE}' is unreadable ({e})") from None
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
+    model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
+    load_weights(model, out / MODEL_FILE)
+    # aminmax carries a NaN or inf through to its result, and reads each tensor faster than isfinite().all().
+    bad = [name for name, t in model.state_dict().items()
+           if t.is_floating_point() and not all(v.isfinite() for v in t.aminmax())]
+    if bad:
+        raise TfmError(f"weights in '{out / MODEL_FILE}' are not finite (NaN or inf in {', '.join(bad[:3])}); "
+                       "the file is damaged or the run diverged: train again")
+    return model.to(device).eval(), cfg, tokenizer, labels
 
 
 def load_for_inference(model_dir: str | Path, device: str, precision: str | None):
     """(runtime, model, config, tokenizer, labels) of a `tfm train` output directory. `precision` None:
     fp32 for a run trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
-    from transformer_cli.checkpoint import load_model_dir
-    from transformer_cli.runtime import make_runtime, resolve_precision
-
+    check_device_and_precision(device, precision)
     rt = make_runtime(device, "fp32")
     model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
     if precision is None:
@@ -199,8 +238,6 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
                         precision: str | None = None) -> dict:
     """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is what
     the run validated on (data.train_val_splits, with its seed): the split its best model was chosen on."""
-    from transformer_cli.data import prepare_eval_data
-
     rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
     if data is not None:

@@ -1,15 +1,13 @@
 """A hand-written CPU kernel for inference: attention with AVX-512 BF16 dot products (csrc/attention_bf16.c).
 
-torch's CPU attention kernels are slow at small head sizes: its fp32 flash kernel ran at 39-50% of
-the fp32 matmul peak at head sizes 16 and 32, and its bf16 one slower still, since its matmuls have
-an inner dimension of 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction
-and the softmax in fp32: 3.4-4.0x the fp32 flash kernel's speed on one thread at the project's
-head sizes (`scripts/bench_attention.py --threads 1`). Under bf16 autocast q, k and v come out of
-the projection in bf16 and the output projection reads its input in bf16, so next to the fp32 path
-it rounds only the attention probabilities to bf16.
+torch's CPU attention kernels are slow at small head sizes, whose matmuls have an inner dimension
+of only 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction and the softmax
+in fp32, which is much faster there than torch's fp32 flash kernel. Under bf16 autocast q, k and v
+come out of the projection in bf16 and the output projection reads its input in bf16, so next to
+the fp32 path it rounds only the attention probabilities to bf16.
 
-The C source is compiled on first use with the system's C compiler (`$CC`, else cc, gcc or clang;
-under a second) into a shared library in the `kernels` folder of `$TFM_CACHE` (default
+The C source is compiled on first use with the system's C compiler (`$CC`, else cc, gcc or clang)
+into a shared library in the `kernels` folder of `$TFM_CACHE` (default
 ~/.cache/transformer_cli), named by a hash of the source, compiler and flags, and loaded with
 ctypes, which releases the GIL during the call. Without x86-64 Linux, AVX-512 BF16 or a compiler,
 or with TFM_CPU_KERNELS=0, `attention_bf16` returns None and the model uses
@@ -30,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from transformer_cli.fileio import cache_dir
+
 SOURCE = Path(__file__).with_name("csrc") / "attention_bf16.c"
 FLAGS = ["-O3", "-fno-strict-aliasing", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma",
          "-shared", "-fPIC", "-pthread"]  # no strict aliasing: bf16 pairs are read as 32-bit words
@@ -39,10 +39,6 @@ enabled = os.environ.get("TFM_CPU_KERNELS", "1") != "0"  # False: attention_bf16
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _reason: str | None = None  # why the kernel is unavailable; None: not tried yet, or loaded
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli") / "kernels"
 
 
 def _compiler() -> str | None:
@@ -59,7 +55,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler found (set CC, or install gcc or clang)")
     key = hashlib.sha256(SOURCE.read_bytes() + "\0".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"attention_bf16-{key}.so"
+    path = cache_dir() / "kernels" / f"attention_bf16-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # renamed into place once whole
@@ -101,13 +97,6 @@ def unavailable_reason() -> str | None:
         return "turned off (TFM_CPU_KERNELS=0)"
     _load()
     return _reason
-
-
-def reset() -> None:
-    """Forget the loaded library or the failure, so that the next call tries again (for tests)."""
-    global _lib, _reason
-    with _lock:
-        _lib, _reason = None, None
 
 
 def attention_bf16(qkv: torch.Tensor, mask: torch.Tensor, n_heads: int) -> torch.Tensor | None:

@@ -4,8 +4,8 @@ embedding tables; and gradient clipping that understands them.
 Under `model.lazy_embeddings`, an `nn.Embedding(sparse=True)` gets a sparse gradient: only the rows
 its batch looked up. `LazyAdamW` then updates just those rows, as TensorFlow's LazyAdam and torch's
 SparseAdam do, instead of reading and writing every row of every table at every step. That is
-faster, but it changes what the model learns (README, Configuration reference), so it is off by
-default.
+faster, but it changes what the model learns (a row that a step does not use gets neither its
+momentum nor weight decay), so it is off by default.
 """
 
 from __future__ import annotations
@@ -96,14 +96,11 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     return total
 
 
-def make_optimizer(
-    model: torch.nn.Module, tc: TrainConfig, device: torch.device, fused: bool | None = None
-) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     """The training optimizer over the model's parameter groups: torch's AdamW, or LazyAdamW under
-    `model.lazy_embeddings`. `fused` (default: on CPU and CUDA) uses torch's fused AdamW kernel,
-    one pass over each tensor instead of foreach's several (see README, Performance)."""
-    if fused is None:
-        fused = device.type in ("cpu", "cuda")
+    `model.lazy_embeddings`. On CPU and CUDA it uses torch's fused AdamW kernel, one pass over each
+    tensor instead of foreach's several."""
+    fused = device.type in ("cpu", "cuda")
     cls = LazyAdamW if model.cfg.lazy_embeddings else torch.optim.AdamW
     return cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                fused=fused, foreach=None if fused else True)

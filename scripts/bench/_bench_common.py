@@ -1,8 +1,8 @@
 """Helpers shared by the bench_*.py scripts: hardware header, matmul peak, FLOP count, subprocess
 timing, tables, target checks, JSON.
 
-Not a benchmark itself. The scripts import it as `_bench_common` (the scripts folder is on
-sys.path when a script is run as `python scripts/bench_X.py`).
+Not a benchmark itself. The scripts import it as `_bench_common` (scripts/bench is on
+sys.path when a script is run as `python scripts/bench/bench_X.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = "../shared/data/imdb"
 now = time.perf_counter
 

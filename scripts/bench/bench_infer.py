@@ -45,15 +45,15 @@ What it measures
          as a ratio to predict TEXT; and the peak RSS (VmHWM) of both predicts, from one more run each.
 
 Models
-    --checkpoint OUT          a `tfm train` output directory (e.g. runs/base: base.toml's sizes)
+    --checkpoint OUT          a `tfm train` output directory (e.g. runs/tfm: the default recipe's sizes)
     --untrained-config TOML   a randomly initialised model of that recipe's sizes (e.g.
                               configs/seed.toml), with a tokenizer trained on --data by our own
                               pipeline (cached), in a temporary model directory; the same code
                               paths run. Its accuracy is meaningless (~0.5); its speed is not.
 
 Examples
-    python scripts/bench_infer.py --checkpoint runs/base --untrained-config configs/seed.toml --json /tmp/infer.json
-    python scripts/bench_infer.py -c runs/base --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
+    python scripts/bench/bench_infer.py --checkpoint runs/tfm --untrained-config configs/seed.toml --json infer.json
+    python scripts/bench/bench_infer.py -c runs/tfm --max-samples 300 --runs 2 --compare-tokens-per-thread 0,4096
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
     from transformer_cli import checkpoint as ckpt
     from transformer_cli.config import load_config
     from transformer_cli.data import prepare_train_data
+    from transformer_cli.fileio import atomic_write_bytes
     from transformer_cli.model import CTransformer
 
     overrides = {"data.source": args.data}
@@ -133,7 +134,7 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
     torch.manual_seed(cfg.train.seed)
     model = CTransformer(cfg.model, vocab, cfg.data.max_length, len(prepared.labels))
     ckpt.save_model_files(where, cfg.to_dict(), prepared.tokenizer.to_str(), prepared.labels, vocab)
-    ckpt.atomic_write_bytes(where / ckpt.MODEL_FILE, ckpt.state_bytes(model))
+    atomic_write_bytes(where / ckpt.MODEL_FILE, ckpt.state_bytes(model))
     print(f"random {config_path} model in {where}: tokenizer ({vocab} entries) ready in {bc.now() - t0:.1f} s")
     return where
 
@@ -145,23 +146,24 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     import torch
 
     from transformer_cli import evaluate as ev
-    from transformer_cli.data import batch_width, cache_dir, collate, prepare_eval_data
+    from transformer_cli.data import batch_width, collate, prepare_eval_data
+    from transformer_cli.fileio import cache_dir
 
     t0 = bc.now()
     rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
     load_sec = bc.now() - t0
     cfg = cfg.replace(data={"source": args.data})
-    entries = set(cache_dir(cfg.data).glob("encoded-*.npz"))
+    entries = set(cache_dir(cfg.data.cache_dir).glob("encoded-*.npz"))
     t0 = bc.now()
     enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     first_prep_sec = bc.now() - t0
-    encoded = bool(set(cache_dir(cfg.data).glob("encoded-*.npz")) - entries)
+    encoded = bool(set(cache_dir(cfg.data.cache_dir).glob("encoded-*.npz")) - entries)
     t0 = bc.now()
     enc = prepare_eval_data(cfg.data, tokenizer, args.split, args.max_samples, cfg.train.seed)
     prep_sec = bc.now() - t0
 
     m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
-    batches = ev._batches(enc, batch_size, rt)
+    batches = ev.batches_for(enc, batch_size, rt)
     widths = [batch_width(enc, i) for i in batches]  # as collate pads them
     flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), w) for i, w in zip(batches, widths))
     padded = sum(len(i) * w for i, w in zip(batches, widths))
@@ -320,19 +322,19 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 
     from transformer_cli import evaluate as ev
 
-    batches = ev._batches(enc, batch_size, rt)
+    batches = ev.batches_for(enc, batch_size, rt)
     model.eval()
     inductor_config.freezing = True  # weights as constants: lets inductor fold them into oneDNN kernels
     compiled = torch.compile(model, dynamic=True)
     t0 = bc.now()
-    logits = ev._logits(compiled, enc, batches, rt, num_labels)
+    logits = ev.batched_logits(compiled, enc, batches, rt, num_labels)
     first = bc.now() - t0
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     outputs: dict[str, torch.Tensor] = {}
     for _ in range(args.repeats):  # interleaved, so contention hits both alike
         for name, engine in (("eager", model), ("compiled", compiled)):
             t0 = bc.now()
-            outputs[name] = ev._logits(engine, enc, batches, rt, num_labels)
+            outputs[name] = ev.batched_logits(engine, enc, batches, rt, num_labels)
             times[name].append(bc.now() - t0)
     eager = outputs["eager"]
     eager_sec, compiled_sec = statistics.median(times["eager"]), statistics.median(times["compiled"])

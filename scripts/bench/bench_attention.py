@@ -30,8 +30,8 @@ How to read the table
     rows up to each sequence's last real token (the kernel leaves the rows after it zero).
 
 Examples
-    python scripts/bench_attention.py                                    # the default shapes
-    python scripts/bench_attention.py --shapes 32,2,512,32 --repeats 3 --json /tmp/attn.json
+    python scripts/bench/bench_attention.py                                    # the default shapes
+    python scripts/bench/bench_attention.py --shapes 32,2,512,32 --repeats 3 --json attn.json
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ How to read it
     the parquet -> Arrow conversion).
 
 Examples
-    python scripts/bench_data.py                                   # full IMDB, default data config
-    python scripts/bench_data.py --config configs/seed.toml        # data section of a recipe
-    python scripts/bench_data.py --max-samples 500 --json /tmp/data.json
+    python scripts/bench/bench_data.py                                   # full IMDB, default data config
+    python scripts/bench/bench_data.py --config configs/seed.toml        # data section of a recipe
+    python scripts/bench/bench_data.py --max-samples 500 --json data.json
 """
 
 from __future__ import annotations

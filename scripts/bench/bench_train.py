@@ -27,18 +27,17 @@ What it measures
       _explicit  model.attention = "explicit" (written-out softmax(QK^T)V instead of SDPA)
       _bf16      bf16 autocast (the default only on a CPU with native bf16: AVX-512 BF16 or AMX; on
                  others bf16 is emulated, slower than fp32, and `tfm train` refuses it)
-      _masked    word-dropped tokens computed as padding (CTransformer.compact_hidden = False), as
-                 before 2026-11-24: the columns and FLOPs of (b)
+      _masked    word-dropped tokens computed as padding (CTransformer.compact_hidden = False): the
+                 columns and FLOPs of (b)
       _fp32      fp32, autocast off (the default on CPUs without native bf16)
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
-      _foreach   AdamW's foreach implementation instead of the fused kernel (the path before 2026-11-22)
+      _foreach   AdamW's foreach implementation instead of the fused kernel
       _compile   the model under torch.compile (inductor; `train.compile = true`). Its first steps
                  compile (again when a new batch shape makes the graph dynamic): the JSON rows keep
                  every variant's first-step seconds, printed for this one; use --warmup >= 2
-      _hN        N attention heads instead of --heads (e.g. a_ngrams_h4: the default model as it was
-                 before 2026-11-22 07:40, when 2 heads of size 32 replaced 4 of size 16); (b) and (c)
-                 keep --heads
+      _hN        N attention heads instead of --heads (e.g. a_ngrams_h4: the default model with 4
+                 heads of size 16 instead of 2 of size 32); (b) and (c) keep --heads
 
     Every variant gets the same dropout (--dropout: on the embeddings, after attention and after the
     feed-forward layer, none on the attention weights) and the same init seed. Steps are interleaved
@@ -78,10 +77,10 @@ Profiles (--profile a,b)
     it; its intra-op threads are not counted again. The profiler adds overhead, so read shares.
 
 Examples
-    python scripts/bench_train.py --json /tmp/bench_train.json      # the full run, both modes
-    python scripts/bench_train.py --mode synthetic --steps 2 --warmup 1
-    python scripts/bench_train.py --mode synthetic --variants a,b --steps 10 --profile a,b
-    python scripts/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
+    python scripts/bench/bench_train.py --json bench_train.json           # the full run, both modes
+    python scripts/bench/bench_train.py --mode synthetic --steps 2 --warmup 1
+    python scripts/bench/bench_train.py --mode synthetic --variants a,b --steps 10 --profile a,b
+    python scripts/bench/bench_train.py --mode imdb --max-train-samples 400 --steps 2 --warmup 1
 """
 
 from __future__ import annotations
@@ -282,7 +281,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
     from transformer_cli.config import ModelConfig, TrainConfig
     from transformer_cli.model import CTransformer
-    from transformer_cli.optim import clip_grad_norm_, make_optimizer
+    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
     from transformer_cli.runtime import Runtime, resolve_precision
 
     mods = set(key.split("_")[1:])
@@ -297,7 +296,11 @@ def ours(key: str, args, vocab: int) -> Variant:
     rt = Runtime(cpu, resolve_precision(precision, cpu))
     model = CTransformer(mc, vocab, args.seq_len).train()
     model.compact_hidden = "masked" not in mods
-    opt = make_optimizer(model, tc, torch.device("cpu"), fused="foreach" not in mods)
+    if "foreach" in mods:  # make_optimizer's optimizer without the fused kernel
+        cls = LazyAdamW if mc.lazy_embeddings else torch.optim.AdamW
+        opt = cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    else:
+        opt = make_optimizer(model, tc, cpu)
     params = [p for p in model.parameters() if p.requires_grad]
     engine = torch.compile(model) if "compile" in mods else model  # as transformer_cli.train.setup wraps it
     shapes: list[tuple[int, int]] = []

@@ -1,0 +1,77 @@
+"""Crash-safe files (atomic writes, JSON) and the cache folder.
+
+Every file is written to a temporary name in the same folder, flushed, fsynced and renamed, so a
+reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from transformer_cli.errors import TfmError
+
+TEMP_FILE = re.compile(r"\..+\.tmp-[0-9]+")  # the names atomic_write_bytes writes to: .NAME.tmp-PID
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_stale_temp_files(folder: Path) -> None:
+    """Delete the temp files that killed `atomic_write_bytes` calls left in `folder` (nothing else)."""
+    for path in folder.glob(".*.tmp-*"):
+        if TEMP_FILE.fullmatch(path.name) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def cache_dir(configured: str | None = None) -> Path:
+    """Where caches go: `configured` (data.cache_dir), else $TFM_CACHE, else ~/.cache/transformer_cli."""
+    return Path(configured or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli").expanduser()
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TfmError(f"{what} '{path}' is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TfmError(f"{what} '{path}' is unreadable ({e}); re-run training to recreate it") from None
