@@ -58,9 +58,9 @@ def cli(*args: str):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def train_args(data: Path, out: Path, *extra: str) -> list[str]:
-    """`tfm train` on the tiny recipe with the settings `tiny_config` uses (CPU, fp32)."""
-    return ["train", "--config", TINY, "--data", str(data), "-o", str(out), "--no-progress",
+def train_args(data: Path, out: Path, *extra: str, command: str = "train") -> list[str]:
+    """`tfm train` (or `tfm pretrain`) on the tiny recipe with the settings `tiny_config` uses (CPU, fp32)."""
+    return [command, "--config", TINY, "--data", str(data), "-o", str(out), "--no-progress",
             "--device", "cpu", "--precision", "fp32", *extra]
 
 
@@ -382,7 +382,7 @@ for name in ("torch._dynamo", "torch.utils.tensorboard", "torch.utils.tensorboar
         __import__(name)
     except ImportError:
         pass
-import transformer_cli.train, transformer_cli.evaluate
+import transformer_cli.train, transformer_cli.evaluate, transformer_cli.pretrain
 from transformer_cli.cli import app
 print("ready", flush=True)
 for line in sys.stdin:
@@ -456,7 +456,8 @@ KILL_STEPS = 16
 KILL_BY = 10  # the highest step a kill waits for; the random delay is at most 2 steps
 
 
-def test_sigkill_at_random_moments_never_breaks_the_latest_checkpoint(zygote, synthetic_data_dir, tmp_path):
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_sigkill_at_random_moments_never_breaks_the_latest_checkpoint(zygote, synthetic_data_dir, tmp_path, command):
     """20 kills; a killed run is either started afresh or resumed and killed again; every 5th trial the
     killed run is then resumed with the same command plus --resume and must finish, leaving no temp files."""
     rng = random.Random(20240607)
@@ -467,7 +468,7 @@ def test_sigkill_at_random_moments_never_breaks_the_latest_checkpoint(zygote, sy
             start = max(start, highest_step_started(out))
         if out is None or start + 2 > KILL_BY:
             out, start = tmp_path / f"run{trial}", 0
-        args = [*train_args(synthetic_data_dir, out), "--max-steps", str(KILL_STEPS), "train.checkpoint_every=1",
+        args = [*train_args(synthetic_data_dir, out, command=command), "--max-steps", str(KILL_STEPS), "train.checkpoint_every=1",
                 "train.log_every=1", *(["--resume"] if (out / ckpt.CKPT_DIR).is_dir() else [])]
         # Kill once the checkpoint of step `wait_for` has started (so step-(wait_for - 1) is complete and
         # training is under way), after a further random delay of 0-2 step durations (as measured in this

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import math
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +18,18 @@ from transformer_cli.config import ModelConfig
 from transformer_cli.data import CLS_ID, PAD_ID, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.model import MaskedLM
-from transformer_cli.pretrain import (MASK_ID, load_token_file, mask_tokens, prepare_corpus, pretrain,
-                                      text_splits, write_token_file)
-from transformer_cli.train import setup, train
+from transformer_cli.pretrain import (
+    MASK_ID,
+    MaskedLanguageModelling,
+    load_token_file,
+    mask_tokens,
+    prepare_corpus,
+    pretrain,
+    text_splits,
+    write_token_file,
+)
 from transformer_cli.runtime import make_runtime
+from transformer_cli.train import Interrupted, setup, train
 
 VOCAB = 60
 
@@ -187,7 +195,7 @@ def test_pretraining_logs_its_objective(pretrained):
 def test_pretraining_learns_a_language_whose_masked_words_follow_from_their_neighbours(tmp_path):
     """Each line counts through a cycle of 10 words from a random start: a masked word is given by the
     words beside it, which a model that reads its context predicts (chance: 1 in 10)."""
-    words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet".split()
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
     rng = np.random.default_rng(0)
     lines = [" ".join(words[(start + i) % 10] for i in range(12)) for start in rng.integers(0, 10, 600)]
     corpus = tmp_path / "counting.txt"
@@ -197,16 +205,31 @@ def test_pretraining_learns_a_language_whose_masked_words_follow_from_their_neig
     assert metrics["val"]["accuracy"] > 0.5
 
 
-def test_pretraining_resumes_exactly(synthetic_data_dir, tmp_path):
-    full = tmp_path / "full"
-    pretrain(pretrain_config(synthetic_data_dir, full, train__max_steps=12, train__checkpoint_every=5), progress=False)
-    cut = tmp_path / "cut"
-    pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=5, train__checkpoint_every=5), progress=False)
+def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch):
+    """SIGTERM while a batch is prepared: the step ends, a checkpoint is written, the run exits with
+    143; --resume then ends with the weights of the run that was never stopped."""
+    def config(out: Path, **kw):
+        return pretrain_config(synthetic_data_dir, out, train__max_steps=12, train__checkpoint_every=100, **kw)
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    pretrain(config(full), progress=False)
+    real, calls = MaskedLanguageModelling.batch, []
+
+    def batch(self, rt, idx):
+        calls.append(1)
+        if len(calls) == 6:
+            signal.raise_signal(signal.SIGTERM)
+        return real(self, rt, idx)
+
+    monkeypatch.setattr(MaskedLanguageModelling, "batch", batch)
+    with pytest.raises(Interrupted) as info:
+        pretrain(config(cut), progress=False)
+    monkeypatch.undo()
+    assert info.value.exit_code == 143
+    assert [d.name for d in ckpt.checkpoint_dirs(cut)] == ["step-00000006"]
     with pytest.raises(UsageError, match="differ"):
-        pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=12, train__checkpoint_every=5,
-                                 pretrain__mask_prob=0.2), resume=True, progress=False)
-    pretrain(pretrain_config(synthetic_data_dir, cut, train__max_steps=12, train__checkpoint_every=5), resume=True,
-             progress=False)
+        pretrain(config(cut, pretrain__mask_prob=0.2), resume=True, progress=False)
+    pretrain(config(cut), resume=True, progress=False)
     a, b = (load_file(ckpt.checkpoint_dirs(d)[-1] / ckpt.MODEL_FILE) for d in (full, cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

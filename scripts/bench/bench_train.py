@@ -7,14 +7,13 @@ What it measures
     (c) in fp32, (a) in `tfm train`'s default precision here (train.precision = "auto": bf16
     autocast on a CPU with native bf16, with attention in fp32; else fp32), printed per row:
 
-      (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped as
-           transformer_cli.train.fit steps it on a CPU (transformer_cli.optim.make_optimizer: fused
-           AdamW over model.param_groups; the model's loss; transformer_cli.optim.clip_grad_norm_;
-           fused SDPA attention with the padding mask). Its layout is the default's: pre-norm, GELU,
-           mean pooling, word dropout 0.7. Its encoder runs only the tokens word dropout keeps
-           (model.compact: about 0.4 of the columns), so it does fewer FLOPs than (b), which
-           computes every column; a_masked computes them all, and differs from (b) in
-           elementwise work only
+      (a)  ours: transformer_cli.model.CTransformer with the default model config, stepped by
+           transformer_cli.train.train_step, the step of `tfm train`'s loop, on a run that
+           transformer_cli.train.build_run sets up (fused AdamW over model.param_groups, the model's
+           loss, gradient clipping, the finiteness check; fused SDPA attention with the padding
+           mask). Its layout is the default's: pre-norm, GELU, mean pooling, word dropout 0.7. Its
+           encoder runs only the tokens word dropout keeps (model.compact: about 0.4 of the
+           columns), so it does fewer FLOPs than (b), which computes every column
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
            linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
            emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
@@ -22,13 +21,11 @@ What it measures
            As in the notebook it has no padding mask: padded batches go in as they are.
       (c)  torch.nn.TransformerEncoder (batch_first, post-norm, ReLU, src_key_padding_mask) with the
            same embeddings, masked max pooling and a linear head; Adam.
-    By default: (a), a_masked, (b), (c), and a_fp32 on a CPU with native bf16. Others (--variants):
+    By default: (a), (b), (c), and a_fp32 on a CPU with native bf16. Others (--variants):
     (a) with suffixes, each changing one thing, e.g. a_ngrams_lazy:
       _explicit  model.attention = "explicit" (written-out softmax(QK^T)V instead of SDPA)
       _bf16      bf16 autocast (the default only on a CPU with native bf16: AVX-512 BF16 or AMX; on
                  others bf16 is emulated, slower than fp32, and `tfm train` refuses it)
-      _masked    word-dropped tokens computed as padding (CTransformer.compact_hidden = False): the
-                 columns and FLOPs of (b)
       _fp32      fp32, autocast off (the default on CPUs without native bf16)
       _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
@@ -63,8 +60,8 @@ How to read the table
     % peak      GFLOP/s over the peak: a square torch.mm in the row's precision (fp32, or bf16 for
                 bf16 rows) with the same threads, timed once per batch between the variants'
                 steps (so under the same contention), median. It bounds the ratios of variants that
-                do (b)'s FLOPs (every column of the batch computed, as (a)_masked does): none can
-                beat (b) by more than that precision's peak / GFLOP/s of (b), printed as "ceiling".
+                do (b)'s FLOPs (every column of the batch computed): none can beat (b) by more
+                than that precision's peak / GFLOP/s of (b), printed as "ceiling".
     target      the issue's targets: (a) >= 5x (b) on synthetic T=256 (below 3x is not done), and
                 (a) samples/s on real bucketed batches >= on synthetic ones.
 
@@ -92,6 +89,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import _bench_common as bc
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,8 +100,7 @@ VARIANTS = {
     "c": "(c) nn.TransformerEncoder",
 }
 SUFFIXES = {"explicit": "explicit attention", "bf16": "bf16 autocast", "fp32": "fp32", "ngrams": "+ n-gram path",
-            "lazy": "lazy embeddings", "foreach": "foreach AdamW", "compile": "torch.compile",
-            "masked": "hidden tokens computed"}
+            "lazy": "lazy embeddings", "foreach": "foreach AdamW", "compile": "torch.compile"}
 
 
 def heads_of(mod: str) -> int | None:
@@ -131,8 +128,7 @@ def variant_name(key: str) -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     from transformer_cli.runtime import cpu_has_fast_bf16
 
-    # a_masked by default: (a) computes fewer columns than (b); a_masked is the comparison at equal work
-    default_variants = "a,a_masked,b,c" + (",a_fp32" if cpu_has_fast_bf16() else "")
+    default_variants = "a,b,c" + (",a_fp32" if cpu_has_fast_bf16() else "")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["synthetic", "imdb", "both"], default="both")
     p.add_argument("--d-model", type=int, default=128)
@@ -278,11 +274,16 @@ class Variant:
 
 
 def ours(key: str, args, vocab: int) -> Variant:
-    """A step as transformer_cli.train.fit takes it on a CPU (one process, no accumulation)."""
-    from transformer_cli.config import ModelConfig, TrainConfig
+    """A step as `tfm train` takes it: train_step on a run set up by build_run (one process, no accumulation)."""
+    import tempfile
+
+    from transformer_cli.config import Config, ModelConfig, TrainConfig
+    from transformer_cli.data import Encoded
     from transformer_cli.model import CTransformer
-    from transformer_cli.optim import LazyAdamW, clip_grad_norm_, make_optimizer
+    from transformer_cli.optim import LazyAdamW
     from transformer_cli.runtime import Runtime, resolve_precision
+    from transformer_cli.train import Batch as StepBatch
+    from transformer_cli.train import Classification, build_run, train_step
 
     mods = set(key.split("_")[1:])
     heads = next((h for m in mods if (h := heads_of(m))), args.heads)
@@ -290,31 +291,24 @@ def ours(key: str, args, vocab: int) -> Variant:
                      dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
                      ngram_buckets=ModelConfig.ngram_buckets if "ngrams" in mods else 0,
                      lazy_embeddings="lazy" in mods)
-    tc = TrainConfig()
+    out = tempfile.TemporaryDirectory(prefix="bench-train-")  # build_run's output folder; nothing is written
+    cfg = Config(model=mc, train=TrainConfig(output_dir=out.name, compile="compile" in mods))
     cpu = torch.device("cpu")
     precision = "bf16" if "bf16" in mods else "fp32" if "fp32" in mods else "auto"  # auto: as tfm train
     rt = Runtime(cpu, resolve_precision(precision, cpu))
-    model = CTransformer(mc, vocab, args.seq_len).train()
-    model.compact_hidden = "masked" not in mods
-    if "foreach" in mods:  # make_optimizer's optimizer without the fused kernel
+    model = CTransformer(mc, vocab, args.seq_len)
+    empty = Encoded(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int64))
+    task = Classification(empty, empty, ["neg", "pos"], cfg.train.label_smoothing, cfg.train.eval_batch_size)
+    run = build_run(cfg, rt, model, task, None, False, {})
+    if "foreach" in mods:  # the run's optimizer without the fused kernel
+        tc = cfg.train
         cls = LazyAdamW if mc.lazy_embeddings else torch.optim.AdamW
-        opt = cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
-    else:
-        opt = make_optimizer(model, tc, cpu)
-    params = [p for p in model.parameters() if p.requires_grad]
-    engine = torch.compile(model) if "compile" in mods else model  # as transformer_cli.train.setup wraps it
+        run.optimizer = cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
     shapes: list[tuple[int, int]] = []
     model.encoder.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
 
-    def step(b: Batch) -> float:
-        with rt.autocast():
-            _, loss = engine(b.ids, b.mask, b.y, tc.label_smoothing)  # the model's training loss, as fit uses it
-        loss.backward()
-        value = loss.item()
-        clip_grad_norm_(params, tc.grad_clip).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return value
+    def step(b: Batch, keep=out) -> float:  # keep: the output folder lives as long as the step
+        return train_step(run, [StepBatch((b.ids, b.mask, b.y), len(b.y), len(b.y), int(b.mask.sum()))]).stats["loss"]
 
     return Variant(key, step, model.num_params(), model.encoder.blocks[0].attn.n_heads, rt.precision, shapes=shapes)
 
