@@ -9,6 +9,7 @@ optimizer state `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
@@ -19,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
+from transformer_cli.config import FORMAT_VERSION
 from transformer_cli.errors import TfmError, first_line
 from transformer_cli.fileio import (
     atomic_write_bytes,
@@ -30,7 +32,6 @@ from transformer_cli.fileio import (
 )
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
-FORMAT_VERSION = 1
 CKPT_DIR, COMPLETE = "checkpoints", "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -42,10 +43,11 @@ def state_bytes(model) -> bytes:
     return save({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()})
 
 
-def load_weights(model, path: Path) -> None:
-    """Load safetensors weights into `model`, refusing any name or shape mismatch."""
+def load_weights(model, path: Path, prefix: str = "") -> None:
+    """Load safetensors weights into `model`, refusing any name or shape mismatch. With `prefix`, the
+    file's tensors named PREFIX... (e.g. "encoder.": a pretrained encoder) load into `model` alone."""
     try:
-        tensors = load_file(str(path))
+        tensors = {k.removeprefix(prefix): v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
     except FileNotFoundError:
         raise TfmError(f"weights file '{path}' is missing") from None
     except (SafetensorError, OSError, ValueError) as e:
@@ -70,15 +72,17 @@ def load_weights(model, path: Path) -> None:
 # --------------------------------------------------------------------------- the model directory
 
 
+def model_files(cfg_dict: dict, tokenizer_json: str, vocab_size: int, **meta) -> dict[str, str]:
+    """{name: text} of config.json and tokenizer.json: everything besides the weights that loading a
+    model needs. `meta` adds fields to config.json (a classifier's `labels`, say)."""
+    config = {"format_version": FORMAT_VERSION, **meta, "vocab_size": vocab_size, **cfg_dict}
+    return {CONFIG_FILE: json.dumps(config, indent=2) + "\n", TOKENIZER_FILE: tokenizer_json}
+
+
 def save_model_files(out: Path, cfg_dict: dict, tokenizer_json: str, labels: list[str], vocab_size: int) -> None:
-    """config.json and tokenizer.json: everything predict needs besides the weights."""
-    write_json(out / CONFIG_FILE, {
-        "format_version": FORMAT_VERSION,
-        "labels": labels,
-        "vocab_size": vocab_size,
-        **cfg_dict,
-    })
-    atomic_write_text(out / TOKENIZER_FILE, tokenizer_json)
+    """config.json and tokenizer.json of a classifier."""
+    for name, text in model_files(cfg_dict, tokenizer_json, vocab_size, labels=labels).items():
+        atomic_write_text(out / name, text)
 
 
 # --------------------------------------------------------------------------- training checkpoints

@@ -286,11 +286,12 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
 # --------------------------------------------------------------------------- tokenizer
 
 
-def _key(*parts) -> str:
+def cache_key(*parts) -> str:
+    """A short hash of JSON-able parts: names a cache entry by everything that changes its content."""
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
+def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int):
     """A WordPiece or BPE tokenizer trained on `texts` (any iterable: it is read once, as a stream)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -309,22 +310,23 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainer=trainer, length=length if length is not None else len(texts))
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
 
 
-def cached_tokenizer(train: RawSplit, cfg: DataConfig, fingerprint: str):
-    """Train the tokenizer on the training texts, or load it from the cache."""
+def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint: str):
+    """The tokenizer trained on `texts` (n of them, read once as a stream), or loaded from the cache,
+    where it is kept under a key of their `fingerprint` and the tokenizer settings."""
     from tokenizers import Tokenizer
 
-    key = _key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
+    key = cache_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
     path = cache_dir(cfg.cache_dir) / f"tokenizer-{key}.json"
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
         except Exception:
             pass  # a damaged cache entry is rebuilt below
-    tok = train_tokenizer(train.texts, cfg)
+    tok = train_tokenizer(texts, cfg, n)
     try:
         atomic_write_text(path, tok.to_str())
     except OSError:
@@ -428,7 +430,7 @@ def _cut_after(text: str, n: int) -> int:
 
 
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
-    key = _key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
+    key = cache_key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
     path = cache_dir(cfg.cache_dir) / f"encoded-{key}.npz"
     if path.is_file():
         try:
@@ -576,7 +578,7 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
     encode both."""
     train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
     train_fp = train_raw.fingerprint()
-    tok = tokenizer or cached_tokenizer(train_raw, cfg, train_fp)
+    tok = tokenizer or cached_tokenizer(train_raw.texts, len(train_raw), cfg, train_fp)
     return Prepared(
         tokenizer=tok,
         labels=label_names,

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.checkpoint import CONFIG_FILE, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILE, load_weights
-from transformer_cli.config import Config, check_device_and_precision, with_legacy_values
+from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights
+from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json

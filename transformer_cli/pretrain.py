@@ -14,7 +14,6 @@ config.json, tokenizer.json, metrics.json, TensorBoard events, checkpoints/. `tf
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -26,14 +25,36 @@ import torch
 
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import Config, PretrainConfig
-from transformer_cli.data import (SPECIAL_TOKENS, Encoded, cache_dir, collate, encode_texts, named_files,
-                                  open_dataset, open_dataset_files, train_tokenizer)
+from transformer_cli.data import (
+    SPECIAL_TOKENS,
+    Encoded,
+    cache_key,
+    cached_tokenizer,
+    collate,
+    encode_texts,
+    named_files,
+    open_dataset,
+    open_dataset_files,
+)
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
+from transformer_cli.fileio import cache_dir
 from transformer_cli.model import MaskedLM
 from transformer_cli.runtime import Runtime, make_runtime
-from transformer_cli.train import (Batch, Logger, Run, build_run, check_batch_size, check_output_dir, find_resume,
-                                   load_tokenizer, on_every_rank, run_metrics, run_to_end, seed_everything)
+from transformer_cli.train import (
+    Batch,
+    Logger,
+    Run,
+    build_run,
+    check_batch_size,
+    check_output_dir,
+    find_resume,
+    load_tokenizer,
+    on_every_rank,
+    run_metrics,
+    run_to_end,
+    seed_everything,
+)
 
 MASK_ID = SPECIAL_TOKENS.index("[MASK]")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
@@ -111,41 +132,17 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     if n <= pc.val_texts:
         raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
     fingerprint = h.hexdigest()
-    folder = cache_dir(d)
     if tokenizer is None:
-        tokenizer = _cached_tokenizer(tables, cfg, fingerprint, n, folder)
-    key = _key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
+        stream = (t for texts in text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples) for t in texts)
+        tokenizer = cached_tokenizer(stream, n, d, fingerprint)
+    folder = cache_dir(d.cache_dir)
+    key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
     if texts is None:
         texts = write_token_file(folder / f"corpus-{key}", tokenizer, text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples), cfg)
     val_idx = np.sort(np.random.default_rng(cfg.train.seed).permutation(n)[: pc.val_texts])
     train_idx = np.setdiff1d(np.arange(n), val_idx)
     return Corpus(tokenizer, texts, train_idx, val_idx)
-
-
-def _key(*parts) -> str:
-    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
-
-
-def _cached_tokenizer(tables: list, cfg: Config, fingerprint: str, n: int, folder: Path):
-    from tokenizers import Tokenizer
-
-    from transformer_cli.data import MIN_FREQUENCY
-
-    d = cfg.data
-    path = folder / f"tokenizer-{_key(fingerprint, d.tokenizer, d.vocab_size, d.lowercase, MIN_FREQUENCY)}.json"
-    if path.is_file():
-        try:
-            return Tokenizer.from_file(str(path))
-        except Exception:
-            pass  # a damaged cache entry is rebuilt below
-    stream = (t for texts in text_chunks(tables, d.text_column, cfg.pretrain.shard_texts, d.max_train_samples) for t in texts)
-    tok = train_tokenizer(stream, d, length=n)
-    try:
-        ckpt.atomic_write_text(path, tok.to_str())
-    except OSError:
-        pass  # caching is an optimisation; a read-only cache folder must not stop pretraining
-    return tok
 
 
 def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: Config) -> Encoded:
@@ -285,9 +282,8 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
     task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size)
-    meta = {"format_version": ckpt.FORMAT_VERSION, "kind": "pretrained encoder", "vocab_size": vocab_size,
-            "num_texts": len(corpus.texts), **cfg.to_dict()}
-    files = {ckpt.CONFIG_FILE: json.dumps(meta, indent=2) + "\n", ckpt.TOKENIZER_FILE: corpus.tokenizer.to_str()}
+    files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind="pretrained encoder",
+                             num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
 

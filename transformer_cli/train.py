@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import os
 import random
@@ -23,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -693,27 +692,12 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
 
 
 def load_encoder(encoder: torch.nn.Module, model_dir: Path) -> None:
-    """Load the encoder weights of a `tfm pretrain` (or `tfm train`) output directory into `encoder`:
-    the `encoder.*` tensors of its model.safetensors, which must match name for name and shape for shape."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    """The encoder weights of a `tfm pretrain` (or `tfm train`) output directory into `encoder`: the
+    `encoder.*` tensors of its model.safetensors, name for name and shape for shape, all finite."""
     path = Path(model_dir) / ckpt.MODEL_FILE
-    try:
-        tensors = load_file(str(path))
-    except FileNotFoundError:
-        raise TfmError(f"--init-from '{model_dir}' has no {ckpt.MODEL_FILE}; pass the output directory of `tfm pretrain`") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise TfmError(f"weights file '{path}' is damaged or not safetensors ({e})") from None
-    mine = {f"encoder.{k}": v for k, v in encoder.state_dict().items()}
-    theirs = {k: v for k, v in tensors.items() if k.startswith("encoder.")}
-    wrong = sorted(set(mine) ^ set(theirs)) or [k for k, v in mine.items() if v.shape != theirs[k].shape]
-    if wrong:
-        raise TfmError(f"the encoder in '{path}' does not fit this model ({wrong[0]}); "
-                       "it comes from another model or version")
-    if not all(t.isfinite().all() for t in theirs.values() if t.is_floating_point()):
+    ckpt.load_weights(encoder, path, prefix="encoder.")
+    if not all(t.isfinite().all() for t in encoder.state_dict().values() if t.is_floating_point()):
         raise TfmError(f"the encoder in '{path}' has NaN or inf weights; pretrain again")
-    encoder.load_state_dict({k.removeprefix("encoder."): v for k, v in theirs.items()})
 
 
 def load_tokenizer(out: Path):
@@ -754,8 +738,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if tc.init_from and resume_dir is None:
         load_encoder(model.encoder, Path(tc.init_from))
     task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size)
-    meta = {"format_version": ckpt.FORMAT_VERSION, "labels": data.labels, "vocab_size": vocab_size, **cfg.to_dict()}
-    files = {ckpt.CONFIG_FILE: json.dumps(meta, indent=2) + "\n", ckpt.TOKENIZER_FILE: data.tokenizer.to_str()}
+    files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
 
