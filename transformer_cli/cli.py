@@ -110,42 +110,73 @@ InferPrecision = Annotated[str | None, typer.Option(
     help="auto, fp32, bf16 or fp16; default: fp32 for a run trained in fp32, else auto.", show_default=False)]
 
 
-@app.command(context_settings={"allow_extra_args": False})
-def train(
-    overrides: Annotated[list[str] | None, typer.Argument(
-        help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
-        show_default=False)] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML recipe (see configs/); default: the built-in default recipe.")] = None,
-    data: Annotated[str | None, typer.Option(help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s); default: env TFM_DATA, else the config's.", show_default=False)] = None,
-    output_dir: Annotated[Path | None, typer.Option("--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.")] = None,
-    epochs: Annotated[int | None, typer.Option(help="Passes over the training split.")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many optimizer steps.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Examples per optimizer step (all processes).")] = None,
-    lr: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed for the split, init, dropout and batching.")] = None,
-    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = None,
-    precision: Annotated[str | None, typer.Option(help="auto, fp32, bf16 or fp16.")] = None,
-    max_train_samples: Annotated[int | None, typer.Option(help="Train on a random subset of this size.")] = None,
-    max_eval_samples: Annotated[int | None, typer.Option(help="Validate/test on at most this many examples.")] = None,
-    test: Annotated[bool, typer.Option("--test", help="Evaluate the best model on the test split at the end.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in the output directory.")] = False,
-    resume_from: Annotated[Path | None, typer.Option(help="Continue from this checkpoint folder.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="On resume, accept settings that differ from the checkpoint's.")] = False,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
-) -> None:
-    """Train a classifier and write OUTPUT_DIR (model.safetensors, config.json, tokenizer.json, metrics.json, events)."""
-    options = {
-        "data.source": data, "train.output_dir": None if output_dir is None else str(output_dir),
-        "train.epochs": epochs, "train.max_steps": max_steps, "train.batch_size": batch_size, "train.lr": lr,
-        "train.seed": seed, "train.device": device, "train.precision": precision,
-        "data.max_train_samples": max_train_samples, "data.max_eval_samples": max_eval_samples,
-        "train.test_at_end": True if test else None,
-    }
+# Options of the two training commands, `tfm train` and `tfm pretrain`.
+Overrides = Annotated[list[str] | None, typer.Argument(
+    help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.", show_default=False)]
+ConfigFile = Annotated[Path | None, typer.Option(
+    "--config", help="TOML recipe (see configs/); default: the built-in defaults.", show_default=False)]
+Data = Annotated[str | None, typer.Option(
+    "--data", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s) (and .txt for "
+    "pretrain); default: env TFM_DATA, else the config's.", show_default=False)]
+OutputDir = Annotated[Path | None, typer.Option(
+    "--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.", show_default=False)]
+Epochs = Annotated[int | None, typer.Option("--epochs", help="Passes over the training texts.", show_default=False)]
+MaxSteps = Annotated[int | None, typer.Option("--max-steps", help="Stop after this many optimizer steps.",
+                                              show_default=False)]
+BatchSize = Annotated[int | None, typer.Option("--batch-size", help="Examples per optimizer step (all processes).",
+                                               show_default=False)]
+Lr = Annotated[float | None, typer.Option("--lr", help="Peak learning rate.", show_default=False)]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed for the split, init, dropout and batching.",
+                                          show_default=False)]
+TrainDevice = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.", show_default=False)]
+Precision = Annotated[str | None, typer.Option("--precision", help="auto, fp32, bf16 or fp16.", show_default=False)]
+MaxTrainSamples = Annotated[int | None, typer.Option("--max-train-samples", help="Train on this many examples.",
+                                                     show_default=False)]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in the output "
+                                      "directory.")]
+ResumeFrom = Annotated[Path | None, typer.Option("--resume-from", help="Continue from this checkpoint folder.",
+                                                 show_default=False)]
+Force = Annotated[bool, typer.Option("--force", help="On resume, accept settings that differ from the checkpoint's.")]
+Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
+
+
+def _training_config(config: Path | None, overrides: list[str] | None, options: dict[str, Any]):
+    """The run's Config: the file, then `TFM_DATA`, then the overrides, then the options that were given."""
     values = parse_overrides(overrides or [])
     values.update({k: v for k, v in options.items() if v is not None})
     if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
         values["data.source"] = os.environ["TFM_DATA"]
-    cfg = load_config(config, values)
+    return load_config(config, values)
+
+
+def _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
+                    max_train_samples) -> dict[str, Any]:
+    return {
+        "data.source": data, "train.output_dir": None if output_dir is None else str(output_dir),
+        "train.epochs": epochs, "train.max_steps": max_steps, "train.batch_size": batch_size, "train.lr": lr,
+        "train.seed": seed, "train.device": device, "train.precision": precision,
+        "data.max_train_samples": max_train_samples,
+    }
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    overrides: Overrides = None, config: ConfigFile = None, data: Data = None, output_dir: OutputDir = None,
+    epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, lr: Lr = None, seed: Seed = None,
+    device: TrainDevice = None, precision: Precision = None, max_train_samples: MaxTrainSamples = None,
+    max_eval_samples: Annotated[int | None, typer.Option(help="Validate/test on at most this many examples.",
+                                                         show_default=False)] = None,
+    init_from: Annotated[Path | None, typer.Option(
+        help="Start from the encoder and tokenizer of a `tfm pretrain` output directory.", show_default=False)] = None,
+    test: Annotated[bool, typer.Option("--test", help="Evaluate the best model on the test split at the end.")] = False,
+    resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
+) -> None:
+    """Train a classifier and write OUTPUT_DIR (model.safetensors, config.json, tokenizer.json, metrics.json, events)."""
+    options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
+                              max_train_samples)
+    options.update({"data.max_eval_samples": max_eval_samples, "train.test_at_end": True if test else None,
+                    "train.init_from": None if init_from is None else str(init_from)})
+    cfg = _training_config(config, overrides, options)
     from transformer_cli.train import train as run_train  # imports torch
 
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
@@ -156,6 +187,35 @@ def train(
     if "test" in metrics:
         line += f", test accuracy {metrics['test']['accuracy']:.4f}"
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
+
+
+PRETRAIN_OUTPUT_DIR = "runs/pretrain"
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def pretrain(
+    overrides: Overrides = None, config: ConfigFile = None, data: Data = None, output_dir: OutputDir = None,
+    epochs: Epochs = None, max_steps: MaxSteps = None, batch_size: BatchSize = None, lr: Lr = None, seed: Seed = None,
+    device: TrainDevice = None, precision: Precision = None, max_train_samples: MaxTrainSamples = None,
+    resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
+) -> None:
+    """Pretrain the encoder on unlabelled text (masked-LM) and write OUTPUT_DIR (default runs/pretrain):
+    model.safetensors, config.json, tokenizer.json, metrics.json, events. `tfm train --init-from` reads it."""
+    options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
+                              max_train_samples)
+    cfg = _training_config(config, overrides, options)
+    from transformer_cli.config import TrainConfig
+
+    if output_dir is None and cfg.train.output_dir == TrainConfig.output_dir:  # not `tfm train`'s folder
+        cfg = cfg.replace(train={"output_dir": PRETRAIN_OUTPUT_DIR})
+    from transformer_cli.pretrain import pretrain as run_pretrain  # imports torch
+
+    metrics = run_pretrain(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
+    if os.environ.get("RANK", "0") != "0":
+        return
+    val = metrics["val"]
+    typer.echo(f"done: best held-out masked-LM loss {val['loss']:.4f} (accuracy {val['accuracy']:.4f}) at step "
+               f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 
 def _read_inputs(texts: list[str], file: str | None) -> list[str]:
@@ -184,7 +244,7 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
         texts = content.split("\n")
         if texts[-1] == "":
             texts.pop()  # the newline that ends the last line
-        texts = [t[:-1] if t.endswith("\r") else t for t in texts]
+        texts = [t.removesuffix("\r") for t in texts]
     while file is not None and texts and not texts[-1].strip():
         texts.pop()  # blank lines at the end of a file are no reviews
     for i, t in enumerate(texts, 1):

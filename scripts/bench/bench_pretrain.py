@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.config import load_config, parse_overrides
-from transformer_cli.data import CLS_ID, PAD_ID, BucketSampler, Encoded
+from transformer_cli.data import CLS_ID, BucketSampler, Encoded
 from transformer_cli.model import MaskedLM
 from transformer_cli.pretrain import Corpus, MaskedLanguageModelling, prepare_corpus
 from transformer_cli.runtime import make_runtime
