@@ -463,7 +463,7 @@ class BucketSampler:
 
     def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, shuffle: bool = True,
                  world_size: int = 1, rank: int = 0, bucket_batches: int = 50):
-        assert shuffle, "always shuffled (the argument stays for positional callers); see evaluate.batch_plan"
+        assert shuffle, "always shuffled (train.py passes shuffle=True positionally); sorted batches: evaluate.batch_plan"
         self.lengths = lengths
         self.batch_size = batch_size
         self.seed = seed
