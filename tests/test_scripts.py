@@ -273,3 +273,21 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     monkeypatch.setattr(data_mod, "LONG_TEXT_CHARS", len(text))
     (r,) = predict_texts(trained_dir, [text], device="cpu")
     assert cold["printed"][long["command"]].split("\t")[:2] == [r["label"], f"{r['score']:.4f}"]
+
+
+def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_pretrain.py"), "--mode", "synthetic",
+           "--config", str(REPO / "configs" / "tiny.toml"), "--steps", "2", "--warmup", "1", "--threads", "1",
+           "--json", str(out), "train.precision=\"fp32\""]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"tfm", "straight"}
+    assert rows["straight"]["vs_straight"] == 1.0
+    assert rows["tfm"]["vs_straight"] == pytest.approx(rows["tfm"]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
+    for r in rows.values():  # each row's share of the peak measured in the same run
+        assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
+    # the straightforward step scores every position, so it does more FLOPs than tfm's for the same tokens
+    assert rows["straight"]["gflops"] * rows["tfm"]["tokens_per_sec"] > rows["tfm"]["gflops"] * rows["straight"]["tokens_per_sec"]

@@ -27,7 +27,6 @@ from transformer_cli.fileio import (
     atomic_write_text,
     fsync_dir,
     read_json,
-    remove_stale_temp_files,  # noqa: F401 - train.py reaches it here
     write_json,
 )
 

@@ -461,9 +461,8 @@ class BucketSampler:
     trailing batch that cannot be split evenly is dropped so that every rank runs the same steps.
     """
 
-    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, shuffle: bool = True,
-                 world_size: int = 1, rank: int = 0, bucket_batches: int = 50):
-        assert shuffle, "always shuffled (train.py passes shuffle=True positionally); sorted batches: evaluate.batch_plan"
+    def __init__(self, lengths: np.ndarray, batch_size: int, seed: int, world_size: int = 1, rank: int = 0,
+                 bucket_batches: int = 50):
         self.lengths = lengths
         self.batch_size = batch_size
         self.seed = seed

@@ -38,7 +38,7 @@ from transformer_cli.data import (
 )
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
-from transformer_cli.fileio import cache_dir
+from transformer_cli.fileio import cache_dir, write_json
 from transformer_cli.model import MaskedLM
 from transformer_cli.runtime import Runtime, make_runtime
 from transformer_cli.train import (
@@ -294,7 +294,7 @@ def finish(run: Run, logger: Logger) -> dict:
                    {"hparam/pretrain_val_loss": best["loss"], "hparam/pretrain_val_accuracy": best["accuracy"]},
                    run.state.step)
     if run.rt.is_main:
-        ckpt.write_json(run.out / ckpt.METRICS_FILE, metrics)
+        write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
 
 

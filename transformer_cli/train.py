@@ -33,6 +33,7 @@ from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_model
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, remove_stale_temp_files, write_json
 from transformer_cli.model import CTransformer
 from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
@@ -358,7 +359,7 @@ def step_groups(batches: list[np.ndarray], accum: int) -> list[list[np.ndarray]]
 def make_sampler(run: Run) -> BucketSampler:
     tc, rt = run.cfg.train, run.rt
     micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
-    return BucketSampler(run.task.lengths, micro * rt.world_size, tc.seed, world_size=rt.world_size, rank=rt.rank)
+    return BucketSampler(run.task.lengths, micro * rt.world_size, tc.seed, rt.world_size, rt.rank)
 
 
 def total_steps(run: Run, sampler: BucketSampler) -> int:
@@ -528,7 +529,7 @@ def validate(run: Run, logger: Logger) -> dict:
         if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
             st.best_score, st.best_step, st.best_val = score, st.step, m
             if run.rt.is_main:
-                ckpt.atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
+                atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
     return m
 
 
@@ -655,9 +656,9 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir")
-        ckpt.remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
+        remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
         for name, text in files.items():
-            ckpt.atomic_write_text(out / name, text)
+            atomic_write_text(out / name, text)
     engine: torch.nn.Module = model
     if tc.compile:
         engine = torch.compile(engine)
@@ -809,5 +810,5 @@ def finish(run: Run, logger: Logger) -> dict:
         final["hparam/test_accuracy"] = metrics["test"]["accuracy"]
     logger.hparams(hp, final, st.step)
     if run.rt.is_main:
-        ckpt.write_json(run.out / ckpt.METRICS_FILE, metrics)
+        write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
