@@ -125,7 +125,7 @@ def assert_optimizer_states_equal(a: dict, b: dict) -> None:
             assert torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])), f"optimizer state {i}.{k} differs"
 
 
-TIMING = {"train_time_sec", "samples_per_sec", "examples_per_sec", "data_prep_sec"}
+TIMING = {"train_time_sec", "samples_per_sec", "tokens_per_sec", "examples_per_sec", "data_prep_sec"}
 
 
 def without_timing(x):

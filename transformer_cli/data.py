@@ -291,8 +291,9 @@ def cache_key(*parts) -> str:
     return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int):
-    """A WordPiece or BPE tokenizer trained on `texts` (any iterable: it is read once, as a stream)."""
+def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
+    """A WordPiece or BPE tokenizer trained on `texts`, read once as a stream; `length`: how many
+    there are (default: len(texts)), for the trainer's progress."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
@@ -310,7 +311,7 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int):
         tok.decoder = decoders.BPEDecoder()
     tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if length is None else length)
     return tok
 
 

@@ -45,15 +45,12 @@ from transformer_cli.train import (
     Batch,
     Logger,
     Run,
+    begin,
     build_run,
-    check_batch_size,
-    check_output_dir,
-    find_resume,
     load_tokenizer,
     on_every_rank,
     run_metrics,
     run_to_end,
-    seed_everything,
 )
 
 MASK_ID = SPECIAL_TOKENS.index("[MASK]")
@@ -270,13 +267,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
     if cfg.model.lazy_embeddings:
         raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
-    out = Path(tc.output_dir)
-    check_output_dir(out, resume)
-    resume_dir = find_resume(out, resume)
-    check_batch_size(tc, rt)
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    seed_everything(tc.seed)
+    resume_dir = begin(tc, rt, resume)
     tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()

@@ -395,11 +395,14 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
             else:
                 st.bad_steps_in_row += 1
                 st.bad_steps_total += 1
-            result.last = st.batch_in_epoch == len(groups) or st.step >= total
-            if st.batch_in_epoch == len(groups):
+            epoch_done = st.batch_in_epoch == len(groups)
+            result.last = epoch_done or st.step >= total
+            if epoch_done:
                 st.epoch += 1
                 st.batch_in_epoch = 0
             yield result
+            if epoch_done:
+                break  # the next epoch's batches
 
 
 def fit(run: Run, logger: Logger, progress: bool = True) -> None:
@@ -594,6 +597,19 @@ def find_resume(out: Path, resume: bool | str) -> Path | None:
     return found[-1]
 
 
+def begin(tc: TrainConfig, rt: Runtime, resume: bool | str) -> Path | None:
+    """What every run does first: check its output folder and batch size, find the checkpoint to
+    resume from (None: a fresh run), set torch's threads and seed every generator."""
+    out = Path(tc.output_dir)
+    check_output_dir(out, resume)
+    resume_dir = find_resume(out, resume)
+    check_batch_size(tc, rt)
+    if tc.num_threads:
+        torch.set_num_threads(tc.num_threads)
+    seed_everything(tc.seed)
+    return resume_dir
+
+
 def check_batch_size(tc: TrainConfig, rt: Runtime) -> None:
     per_rank, rem = divmod(tc.batch_size, tc.grad_accum_steps * rt.world_size)
     if rem or per_rank == 0:
@@ -713,14 +729,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     """The classifier's run: output folder checked, data prepared, model built (from a pretrained
     encoder with `train.init_from`), optimizer ready, restored on resume."""
     tc = cfg.train
-    out = Path(tc.output_dir)
-    check_output_dir(out, resume)
-    resume_dir = find_resume(out, resume)
-    check_batch_size(tc, rt)
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    seed_everything(tc.seed)
-
+    resume_dir = begin(tc, rt, resume)
     # A resumed run keeps the tokenizer its weights were trained with, even if --force changed what
     # would train another; a fine-tuned one reads its pretrained encoder's.
     tokenizer = None
