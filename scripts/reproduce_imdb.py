@@ -5,7 +5,11 @@ For each recipe and seed it runs
     tfm train [--config configs/RECIPE.toml] --data DATA -o OUT/RECIPE-sSEED --seed SEED [--epochs 1 for seed]
     tfm evaluate -c OUT/RECIPE-sSEED --data DATA --split test --json
 
-Recipe "default" is the built-in defaults (no --config); the others are files in configs/.
+Recipe "default" is the built-in defaults (no --config); "wide-and-deep" and "seed" are files in
+configs/. "pretrained" is the pipeline: once, `tfm pretrain --config configs/pretrain.toml --data
+DATA -o OUT/pretrain` (its time is the row "pretrain"), then for each seed `tfm train --config
+configs/finetune.toml --init-from OUT/pretrain`. "scratch" is its ablation: the same fine-tuning
+with the same encoder sizes from random init (the sizes of configs/pretrain.toml as overrides).
 
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
@@ -13,9 +17,9 @@ repeated, so the script can be stopped and started again; an interrupted trainin
 command that trained a run is kept in its folder as command.txt, and the table shows that one.
 
     python scripts/reproduce_imdb.py --data ../shared/data/imdb                  # everything
-    python scripts/reproduce_imdb.py --data ../shared/data/imdb --recipes default --seeds 1337 1 2
+    python scripts/reproduce_imdb.py --data ../shared/data/imdb --recipes pretrained scratch --seeds 1337 1 2
     python scripts/reproduce_imdb.py ... --results-dir docs/results               # keep the JSON
-    python scripts/reproduce_imdb.py ... --seeds 1 -- train.num_threads=1       # more tfm train args after --
+    python scripts/reproduce_imdb.py ... --seeds 1 -- train.num_threads=1       # more tfm arguments after --
 
 Training times are what `tfm train` measured (metrics.json: train_time_sec), so they are only
 comparable when nothing else ran on the machine.
@@ -34,8 +38,12 @@ import sys
 import time
 from pathlib import Path
 
+import tomllib
+
+from transformer_cli.config import ENCODER_FIELDS
+
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("default", "seed")
+RECIPES = ("default", "pretrained", "scratch", "wide-and-deep", "seed")
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.
@@ -47,23 +55,56 @@ def run(cmd: list[str], stdout=None) -> None:
     subprocess.run(cmd, check=True, stdout=stdout)
 
 
+TFM = [sys.executable, "-m", "transformer_cli"]
+
+
+def config_args(recipe: str, out_root: Path) -> list[str]:
+    """The `tfm train` arguments that make a recipe."""
+    if recipe == "default":
+        return []
+    if recipe == "pretrained":
+        return ["--config", str(ROOT / "configs" / "finetune.toml"), "--init-from", str(out_root / "pretrain")]
+    if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
+        with open(ROOT / "configs" / "pretrain.toml", "rb") as f:
+            sizes = tomllib.load(f)
+        overrides = [f"{section}.{key}={json.dumps(sizes[section][key])}" for section, keys in ENCODER_FIELDS.items()
+                     for key in keys if key in sizes.get(section, {})]
+        return ["--config", str(ROOT / "configs" / "finetune.toml"), *overrides]
+    return ["--config", str(ROOT / "configs" / f"{recipe}.toml"), *RECIPE_ARGS.get(recipe, [])]
+
+
+def trained(cmd: list[str], out: Path) -> None:
+    """Run a `tfm train` or `tfm pretrain` command into `out` unless it finished there; resume it if it
+    stopped; keep the command in the folder."""
+    if (out / "metrics.json").exists():
+        return
+    resume = ["--resume"] if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")) else []
+    run(cmd + resume)
+    command_txt = out / COMMAND_FILE
+    tmp = command_txt.with_suffix(".txt.tmp")
+    tmp.write_text(shlex.join(["tfm", *cmd[3:]]) + "\n")
+    tmp.replace(command_txt)
+
+
+def pretrained_encoder(data: str, out_root: Path, extra: list[str]) -> dict:
+    out = out_root / "pretrain"
+    trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / "pretrain.toml"), "--data", data, "-o", str(out),
+             *extra], out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"minutes": metrics["train_time_sec"] / 60, "tokens_per_sec": metrics["tokens_per_sec"],
+            "val": metrics["val"], "command": (out / COMMAND_FILE).read_text().strip()}
+
+
 def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str]) -> dict:
     out = out_root / f"{recipe}-s{seed}"
-    tfm = [sys.executable, "-m", "transformer_cli"]
-    config = [] if recipe == "default" else ["--config", str(ROOT / "configs" / f"{recipe}.toml")]
-    train_cmd = [*tfm, "train", *config, "--data", data, "-o", str(out), "--seed", str(seed),
-                 *RECIPE_ARGS.get(recipe, []), *extra]
+    train_cmd = [*TFM, "train", *config_args(recipe, out_root), "--data", data, "-o", str(out), "--seed", str(seed),
+                 *extra]
     test_json, command_txt = out / "test.json", out / COMMAND_FILE
-    if not (out / "metrics.json").exists():
-        resume = ["--resume"] if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")) else []
-        run(train_cmd + resume)
-        tmp = command_txt.with_suffix(".txt.tmp")
-        tmp.write_text(shlex.join(["tfm", *train_cmd[3:]]) + "\n")
-        tmp.replace(command_txt)
+    trained(train_cmd, out)
     if not test_json.exists():
         tmp = test_json.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
-            run([*tfm, "evaluate", "-c", str(out), "--data", data, "--split", "test", "--json"], stdout=f)
+            run([*TFM, "evaluate", "-c", str(out), "--data", data, "--split", "test", "--json"], stdout=f)
         tmp.replace(test_json)
     metrics = json.loads((out / "metrics.json").read_text())
     test = json.loads(test_json.read_text())
@@ -87,6 +128,7 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.time()
+    encoder = pretrained_encoder(args.data, args.out, args.extra) if "pretrained" in args.recipes else None
     rows = [one(r, s, args.data, args.out, args.extra) for r in args.recipes for s in args.seeds]
     if args.results_dir:
         args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +138,10 @@ def main() -> None:
     print(f"\n{os.cpu_count()} CPUs, {(time.time() - t0) / 60:.1f} min in all\n")
     print("| recipe | seed | val acc | test acc | train time | train samples/s | eval reviews/s | command |")
     print("|---|---|---|---|---|---|---|---|")
+    if encoder is not None:
+        print(f"| pretrain | - | held-out masked-LM accuracy {encoder['val']['accuracy']:.2%} (loss "
+              f"{encoder['val']['loss']:.3f}) | - | {encoder['minutes']:.1f} min | {encoder['tokens_per_sec']:.0f} "
+              f"tokens/s | - | `{encoder['command']}` |")
     for r in rows:
         print(f"| {r['recipe']} | {r['seed']} | {r['val']:.2%} | {r['test']:.2%} | {r['train_min']:.1f} min | "
               f"{r['samples_per_sec']:.0f} | {r['eval_per_sec']:.0f} | `{r['command']}` |")

@@ -291,3 +291,21 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
     # the straightforward step scores every position, so it does more FLOPs than tfm's for the same tokens
     assert rows["straight"]["gflops"] * rows["tfm"]["tokens_per_sec"] > rows["tfm"]["gflops"] * rows["straight"]["tokens_per_sec"]
+
+
+def test_reproduce_pretrains_once_and_fine_tunes_beside_its_ablation(synthetic_data_dir, tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(synthetic_data_dir),
+           "--out", str(tmp_path / "runs"), "--recipes", "pretrained", "scratch", "--seeds", "1", "--",
+           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1"]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("$ ") == 5  # pretrain; train and evaluate for each recipe
+    lines = done.stdout.splitlines()
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == ["pretrain", "pretrained",
+                                                                                          "scratch"]
+    tuned = json.loads((tmp_path / "runs" / "pretrained-s1" / "config.json").read_text())
+    scratch = json.loads((tmp_path / "runs" / "scratch-s1" / "config.json").read_text())
+    assert tuned["train"]["init_from"] == str((tmp_path / "runs" / "pretrain").resolve())
+    assert scratch["train"]["init_from"] is None
+    for section, key in [("model", "d_model"), ("model", "n_heads"), ("data", "vocab_size"), ("data", "max_length")]:
+        assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init

@@ -114,7 +114,7 @@ class ModelConfig(_Section):
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
     attention: Literal["auto", "sdpa", "explicit"] = "auto"  # auto: sdpa, or kernels.attention_bf16 where it runs
-    ngram_buckets: int = 1 << 22  # > 0: a linear path over the bag of n-grams; hash buckets for n > 1
+    ngram_buckets: int = 0  # > 0: a linear n-gram path beside the transformer (wide and deep); hash buckets for n > 1
     ngram_order: int = 3  # the longest n-gram: 2 = unigrams and bigrams
     ngram_lr_scale: float = 60.0  # the n-gram table learns at this multiple of train.lr
     ngram_binary: bool = True  # each distinct n-gram counts once (False: every occurrence counts)

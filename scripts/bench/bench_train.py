@@ -27,7 +27,7 @@ What it measures
       _bf16      bf16 autocast (the default only on a CPU with native bf16: AVX-512 BF16 or AMX; on
                  others bf16 is emulated, slower than fp32, and `tfm train` refuses it)
       _fp32      fp32, autocast off (the default on CPUs without native bf16)
-      _ngrams    plus the default n-gram path (model.ngram_buckets; (a) itself has none, like (b))
+      _ngrams    plus the n-gram path of configs/wide-and-deep.toml ((a) itself has none, like (b))
       _lazy      model.lazy_embeddings = true: sparse gradients, tables updated in the used rows only
       _foreach   AdamW's foreach implementation instead of the fused kernel
       _compile   the model under torch.compile (inductor; `train.compile = true`). Its first steps
@@ -277,7 +277,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as `tfm train` takes it: train_step on a run set up by build_run (one process, no accumulation)."""
     import tempfile
 
-    from transformer_cli.config import Config, ModelConfig, TrainConfig
+    from transformer_cli.config import Config, ModelConfig, TrainConfig, load_config
     from transformer_cli.data import Encoded
     from transformer_cli.model import CTransformer
     from transformer_cli.optim import LazyAdamW
@@ -289,7 +289,8 @@ def ours(key: str, args, vocab: int) -> Variant:
     heads = next((h for m in mods if (h := heads_of(m))), args.heads)
     mc = ModelConfig(d_model=args.d_model, n_heads=heads, n_layers=args.layers, ff_mult=args.ff_mult,
                      dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
-                     ngram_buckets=ModelConfig.ngram_buckets if "ngrams" in mods else 0,
+                     ngram_buckets=load_config(bc.REPO / "configs" / "wide-and-deep.toml").model.ngram_buckets
+                     if "ngrams" in mods else 0,
                      lazy_embeddings="lazy" in mods)
     out = tempfile.TemporaryDirectory(prefix="bench-train-")  # build_run's output folder; nothing is written
     cfg = Config(model=mc, train=TrainConfig(output_dir=out.name, compile="compile" in mods))
