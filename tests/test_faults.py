@@ -42,7 +42,7 @@ from transformer_cli.cli import app
 from transformer_cli.config import Config
 from transformer_cli.errors import TfmError
 from transformer_cli.evaluate import load_model_dir
-from transformer_cli.model import CTransformer
+from transformer_cli.model import CTransformer, MaskedLM
 from transformer_cli.train import train
 
 TINY = str(CONFIGS / "tiny.toml")
@@ -99,7 +99,10 @@ def load_checkpoint_fully(out: Path, folder: Path) -> dict:
     assert train_json["state"]["step"] == step_of(folder)
     meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
     cfg = Config.from_dict({k: meta[k] for k in ("model", "data", "train")})
-    model = CTransformer(cfg.model, meta["vocab_size"], cfg.data.max_length, len(meta["labels"]))
+    if "labels" in meta:  # a classifier's run
+        model = CTransformer(cfg.model, meta["vocab_size"], cfg.data.max_length, len(meta["labels"]))
+    else:  # a pretraining run's
+        model = MaskedLM(cfg.model, meta["vocab_size"], cfg.data.max_length)
     ckpt.load_weights(model, folder / ckpt.MODEL_FILE)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert "optimizer" in tensors and "rng" in tensors

@@ -321,12 +321,14 @@ class MaskedLM(nn.Module):
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """Normal(0, 0.02) weights and zero biases, GPT-2 style: the projections that write into the
     residual stream shrink with depth."""
-    for m in model.modules():
+    def init(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
             nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    model.apply(init)  # children before their parents: the order of the random draws
     for name, p in model.named_parameters():
         if name.endswith(("attn.proj.weight", "ff.2.weight")):
             nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))

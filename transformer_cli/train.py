@@ -330,7 +330,7 @@ def train_step(run: Run, batches: list[Batch], stop_requested: Callable[[], bool
     objective_value, *values = torch.stack([torch.as_tensor(objective_sum), *map(torch.as_tensor, stat_sums.values())]
                                            ).tolist()  # one device sync
     scaler.unscale_(run.optimizer)
-    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    params = [p for p in run.model.parameters() if p.requires_grad]  # the norm sums in this order
     grad_clip = run.cfg.train.grad_clip
     grad_norm = clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
     finite = math.isfinite(objective_value) and (math.isfinite(grad_norm) or scaler.is_enabled())
