@@ -30,7 +30,7 @@ _session_tmp: str | None = None
 
 
 def pytest_configure(config):
-    """Keep every cache in a throwaway folder and forbid network access, for the whole session.
+    """Keep every cache in a throwaway folder and forbid network access, for the whole test run.
 
     Set in os.environ (not via monkeypatch) so that `datasets`, which reads its cache location when
     first imported, and subprocesses started by tests see the same settings.
