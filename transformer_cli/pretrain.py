@@ -119,9 +119,13 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     cached in the cache folder under a key of the text, the tokenizer and the encoding settings."""
     d, pc = cfg.data, cfg.pretrain
     tables = text_splits(cfg)
+
+    def chunks() -> Iterator[list[str]]:  # a new pass over the text
+        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples)
+
     h = hashlib.blake2b(digest_size=16)
     n = 0
-    for texts in text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples):
+    for texts in chunks():
         for t in texts:
             h.update(t.encode("utf-8", "surrogatepass"))
             h.update(b"\0")
@@ -130,13 +134,12 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
         raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
     fingerprint = h.hexdigest()
     if tokenizer is None:
-        stream = (t for texts in text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples) for t in texts)
-        tokenizer = cached_tokenizer(stream, n, d, fingerprint)
+        tokenizer = cached_tokenizer((t for texts in chunks() for t in texts), n, d, fingerprint)
     folder = cache_dir(d.cache_dir)
     key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
     if texts is None:
-        texts = write_token_file(folder / f"corpus-{key}", tokenizer, text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples), cfg)
+        texts = write_token_file(folder / f"corpus-{key}", tokenizer, chunks(), cfg)
     val_idx = np.sort(np.random.default_rng(cfg.train.seed).permutation(n)[: pc.val_texts])
     train_idx = np.setdiff1d(np.arange(n), val_idx)
     return Corpus(tokenizer, texts, train_idx, val_idx)
