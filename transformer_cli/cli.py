@@ -16,7 +16,7 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import load_config, parse_overrides
+from transformer_cli.config import TrainConfig, load_config, parse_overrides
 from transformer_cli.errors import TfmError, UsageError
 
 
@@ -204,8 +204,6 @@ def pretrain(
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
     cfg = _training_config(config, overrides, options)
-    from transformer_cli.config import TrainConfig
-
     if output_dir is None and cfg.train.output_dir == TrainConfig.output_dir:  # not `tfm train`'s folder
         cfg = cfg.replace(train={"output_dir": PRETRAIN_OUTPUT_DIR})
     from transformer_cli.pretrain import pretrain as run_pretrain  # imports torch
