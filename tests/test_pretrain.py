@@ -18,7 +18,7 @@ from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import CLS_ID, PAD_ID, encode_texts
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.model import MaskedLM
+from transformer_cli.model import Electra, MaskedLM
 from transformer_cli.pretrain import (
     MASK_ID,
     MaskedLanguageModelling,
@@ -101,7 +101,7 @@ def test_the_output_layer_shares_the_token_embedding():
     names = [n for n, _ in model.named_parameters()]
     assert "encoder.tok_emb.weight" in names and not any("decoder" in n for n in names)
     h = torch.randn(3, 16)
-    expected = model.transform(h) @ model.encoder.tok_emb.weight.T + model.bias
+    expected = model.lm_head.transform(h) @ model.encoder.tok_emb.weight.T + model.lm_head.bias
     torch.testing.assert_close(model.logits(h), expected)
 
 
@@ -110,6 +110,40 @@ def test_the_output_layer_shares_the_token_embedding():
 
 def pretrain_config(data: Path | str, out: Path, **overrides):
     return tiny_config(data, out, **overrides)
+
+
+def test_electra_equals_a_straightforward_replaced_token_detection():
+    """The objective against ELECTRA written out: the generator's masked-LM loss on the picked
+    positions, its samples put in their place, and the detector's binary loss at every real token,
+    where a sample equal to the original counts as original."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, ff_mult=2, dropout=0.0, token_dropout=0.0)
+    model = Electra(cfg, VOCAB, 16, generator_layers=1, detection_weight=50.0)
+    ids, mask = batch([16, 9, 3])
+    masked, picked, targets = mask_tokens(ids, mask, 0.5, VOCAB, torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    objective, accuracy = model(masked, mask, picked, targets)
+
+    torch.manual_seed(2)
+    x = model.encoder.tok_emb(masked) + model.encoder.pos_emb.weight[:16]
+    for block in model.generator:
+        x = block(x, mask)
+    logits = model.lm_head(model.generator_norm(x), model.encoder.tok_emb.weight).view(-1, VOCAB)[picked]
+    sampled = torch.multinomial(logits.softmax(-1), 1).squeeze(1)
+    corrupted = masked.clone().view(-1)
+    corrupted[picked] = sampled
+    is_replaced = torch.zeros(ids.numel())
+    is_replaced[picked] = (sampled != targets).float()
+    scores = model.detector(model.encoder(corrupted.view(ids.shape), mask)).view(-1)
+    real = mask.view(-1)
+    expected = F.cross_entropy(logits, targets) + 50.0 * F.binary_cross_entropy_with_logits(
+        scores[real], is_replaced[real])
+    assert objective.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert accuracy.item() == pytest.approx(((scores[real] > 0).float() == is_replaced[real]).float().mean().item())
+    assert not any("emb" in name for name, _ in model.named_parameters() if not name.startswith("encoder."))
+    objective.backward()  # the encoder learns from both losses through the shared embedding
+    assert model.encoder.tok_emb.weight.grad.abs().sum() > 0 and model.generator[0].attn.qkv.weight.grad.abs().sum() > 0
+
 
 
 def test_the_token_file_written_in_small_chunks_is_memory_mapped_and_equals_encoding_at_once(
@@ -177,7 +211,7 @@ def test_a_pretraining_run_writes_the_encoder_and_the_documented_files(pretraine
     names = {p.name for p in out.iterdir() if not p.name.startswith("events.out.tfevents.")}
     assert names == {ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE, ckpt.CKPT_DIR}
     weights = load_file(out / ckpt.MODEL_FILE)
-    assert "encoder.tok_emb.weight" in weights and "bias" in weights
+    assert "encoder.tok_emb.weight" in weights and "lm_head.bias" in weights
     meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
     assert meta["kind"] == "pretrained encoder" and meta["pretrain"]["objective"] == "mlm"
     assert json.loads((out / ckpt.METRICS_FILE).read_text()) == metrics
@@ -207,11 +241,14 @@ def test_pretraining_lowers_the_held_out_loss_far_below_guessing(tmp_path):
     assert metrics["val"]["loss"] < math.log(10) + 0.1 < math.log(vocab) - 1.0
 
 
-def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("objective", ["mlm", "electra"])
+def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch, objective):
     """SIGTERM while a batch is prepared: the step ends, a checkpoint is written, the run exits with
-    143; --resume then ends with the weights of the run that was never stopped."""
+    143; --resume then ends with the weights of the run that was never stopped (Electra's samples
+    included: they come from the RNG state the checkpoint holds)."""
     def config(out: Path, **kw):
-        return pretrain_config(synthetic_data_dir, out, train__max_steps=12, train__checkpoint_every=100, **kw)
+        return pretrain_config(synthetic_data_dir, out, train__max_steps=12, train__checkpoint_every=100,
+                               train__eval_every=4, pretrain__objective=objective, **kw)
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     pretrain(config(full), progress=False)
@@ -264,6 +301,21 @@ def test_fine_tuning_takes_the_encoders_sizes_and_refuses_contradicting_ones(pre
 def test_a_fine_tuned_run_trains_and_resumes(pretrained, synthetic_data_dir, tmp_path):
     out, _ = pretrained
     metrics = train(pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out)), progress=False)
+    assert metrics["val"]["accuracy"] >= 0.85
+
+
+def test_fine_tuning_starts_from_an_electra_discriminator(synthetic_data_dir, tmp_path):
+    out = tmp_path / "electra"
+    metrics = pretrain(pretrain_config(synthetic_data_dir, out, train__epochs=3, pretrain__objective="electra"),
+                       progress=False)
+    assert 0.5 < metrics["val"]["accuracy"] <= 1.0  # of the detection, at every real token
+    saved = load_file(out / ckpt.MODEL_FILE)
+    assert {"detector.weight", "lm_head.bias", "generator.0.attn.qkv.weight"} <= saved.keys()
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))
+    run = setup(cfg, make_runtime("cpu", "fp32"))
+    for name, tensor in run.model.encoder.state_dict().items():
+        assert torch.equal(tensor, saved[f"encoder.{name}"]), name
+    metrics = train(pretrain_config(synthetic_data_dir, tmp_path / "ft-run", train__init_from=str(out)), progress=False)
     assert metrics["val"]["accuracy"] >= 0.85
 
 

@@ -258,8 +258,10 @@ class PretrainConfig(_Section):
     """`tfm pretrain`: self-supervised training of the encoder on unlabelled text."""
 
     _name = "pretrain"
-    objective: Literal["mlm"] = "mlm"  # masked-language modelling (BERT's)
+    objective: Literal["mlm", "electra"] = "mlm"  # masked-language modelling (BERT's), or replaced-token detection
     mask_prob: float = 0.15  # share of each text's tokens the objective predicts (80% [MASK], 10% random, 10% kept)
+    generator_layers: int = 1  # electra: blocks of the generator that proposes the replacements
+    detection_weight: float = 50.0  # electra: weight of the detection loss beside the generator's masked-LM loss
     splits: list[str] = field(default_factory=lambda: ["unsupervised", "train"])  # the source's splits read as text
     val_texts: int = 1000  # texts held out to measure the objective on
     shard_texts: int = 8192  # texts tokenized at a time into the memory-mapped token file
@@ -271,6 +273,10 @@ class PretrainConfig(_Section):
             self._fail("splits", "must name at least one split, and never test (it is kept for the final report)")
         if self.val_texts < 1:
             self._fail("val_texts", "must be at least 1")
+        if self.generator_layers < 1:
+            self._fail("generator_layers", "must be at least 1")
+        if not self.detection_weight > 0:
+            self._fail("detection_weight", "must be positive")
         if self.shard_texts < 1:
             self._fail("shard_texts", "must be at least 1")
 

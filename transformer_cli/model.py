@@ -129,16 +129,20 @@ class Encoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` (B, T): each token's place in its text, when it is not its column (see `compact`)."""
+        x = self.embed(ids, positions)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.norm(x)
+
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T, C): token plus position embeddings, with dropout."""
         T = ids.size(1)
         if T > self.max_length:
             raise ValueError(f"sequence of {T} tokens is longer than max_length {self.max_length}")
         table = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (max_length, C)
         # F.embedding, not table[positions]: its backward sums the rows' gradients in a fixed order
         pos = table[:T] if positions is None else F.embedding(positions, table)  # (T, C) or (B, T, C)
-        x = dropout(self.tok_emb(ids) + pos, self.dropout, self.training)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.norm(x)
+        return dropout(self.tok_emb(ids) + pos, self.dropout, self.training)  # (B, T, C)
 
 
 def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
@@ -282,24 +286,36 @@ class CTransformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class LMHead(nn.Module):
+    """A masked-LM output layer: a transform of the states, then scores against the token embedding
+    (the output layer shares its weights, as BERT's does) plus a bias per token."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.transform = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(), nn.LayerNorm(d_model))
+        self.bias = nn.Parameter(torch.zeros(vocab_size))
+
+    def forward(self, h: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        """(..., C) states and the (V, C) token embedding -> (..., V) token scores."""
+        return F.linear(self.transform(h), embedding, self.bias)
+
+
 class MaskedLM(nn.Module):
     """The encoder with a masked-language-model head, for pretraining: predict each masked token's
-    original id from its final state (BERT's objective). The output layer shares the token
-    embedding's weights, and the head runs on the masked positions only: the (N, V) logits over the
-    whole vocabulary are most of the objective's cost, and the other positions have no target."""
+    original id from its final state (BERT's objective). The head runs on the masked positions only:
+    the (N, V) logits over the whole vocabulary are most of the objective's cost, and the other
+    positions have no target."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
         super().__init__()
         self.cfg = cfg
         self.encoder = Encoder(cfg, vocab_size, max_length)
-        C = cfg.d_model
-        self.transform = nn.Sequential(nn.Linear(C, C), nn.GELU(), nn.LayerNorm(C))
-        self.bias = nn.Parameter(torch.zeros(vocab_size))
+        self.lm_head = LMHead(cfg.d_model, vocab_size)
         init_weights(self, cfg.n_layers)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., C) states -> (..., V) token scores."""
-        return F.linear(self.transform(h), self.encoder.tok_emb.weight, self.bias)
+        return self.lm_head(h, self.encoder.tok_emb.weight)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
                 targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,6 +326,59 @@ class MaskedLM(nn.Module):
         loss = F.cross_entropy(logits.float(), targets)
         accuracy = (logits.detach().argmax(-1) == targets).float().mean()
         return loss, accuracy
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return decay_groups(list(self.parameters()), weight_decay)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class Electra(nn.Module):
+    """ELECTRA's replaced-token detection (Clark et al. 2020), for pretraining. A small generator,
+    trained as a masked LM, fills the masked positions with tokens sampled from its predictions;
+    the encoder (the discriminator, what fine-tuning starts from) then tells at every real token
+    whether it is the original. Its loss reads every token, not only the masked 15%.
+
+    The generator is `generator_layers` blocks over the encoder's own embeddings (ELECTRA ties
+    them), with a masked-LM head tied to the token embedding. The objective is the generator's
+    masked-LM loss plus `detection_weight` times the detection loss; no gradient flows through
+    the sampling."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int, generator_layers: int,
+                 detection_weight: float):
+        super().__init__()
+        self.cfg, self.detection_weight = cfg, detection_weight
+        self.encoder = Encoder(cfg, vocab_size, max_length)  # the discriminator
+        self.generator = nn.ModuleList(Block(cfg) for _ in range(generator_layers))
+        self.generator_norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
+        self.lm_head = LMHead(cfg.d_model, vocab_size)
+        self.detector = nn.Linear(cfg.d_model, 1)
+        init_weights(self, cfg.n_layers)
+
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        """The generator's (N, V) token scores at `picked`."""
+        x = self.encoder.embed(ids)  # (B, T, C)
+        for block in self.generator:
+            x = block(x, mask)
+        return self.lm_head(self.generator_norm(x).flatten(0, 1)[picked], self.encoder.tok_emb.weight)  # (N, V)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
+                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(objective, detection accuracy over the real tokens); the arguments as MaskedLM's."""
+        logits = self.generate(ids, mask, picked)  # (N, V)
+        generator_loss = F.cross_entropy(logits.float(), targets)
+        with torch.no_grad():
+            sampled = torch.multinomial(logits.float().softmax(-1), 1).squeeze(1)  # (N,)
+        corrupted = ids.clone()
+        corrupted.view(-1)[picked] = sampled
+        replaced = torch.zeros_like(mask)  # (B, T): a sample equal to the original counts as original
+        replaced.view(-1)[picked] = sampled != targets
+        scores = self.detector(self.encoder(corrupted, mask)).squeeze(-1)  # (B, T)
+        scores, replaced = scores[mask], replaced[mask]  # (M,) each: the real tokens
+        detection_loss = F.binary_cross_entropy_with_logits(scores.float(), replaced.float())
+        accuracy = ((scores.detach() > 0) == replaced).float().mean()
+        return generator_loss + self.detection_weight * detection_loss, accuracy
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         return decay_groups(list(self.parameters()), weight_decay)

@@ -1,4 +1,5 @@
-"""`tfm pretrain`: masked-language-model pretraining of the encoder on unlabelled text.
+"""`tfm pretrain`: self-supervised pretraining of the encoder on unlabelled text, by masked-language
+modelling (BERT) or replaced-token detection (ELECTRA).
 
 The text (by default IMDB's `unsupervised` and `train` reviews; labels are never read, `test` never
 opened) is read from `datasets`' memory-mapped Arrow tables a chunk at a time: the tokenizer is
@@ -6,7 +7,7 @@ trained on it as a stream, and the token ids are written chunk by chunk into one
 memory-maps. So a corpus larger than memory is never held in it. The run itself goes through
 train.py's machinery: the same step, loop, checkpoints, resume, signals, DDP and precision.
 
-Output directory: model.safetensors (the encoder and its MLM head, best by held-out loss),
+Output directory: model.safetensors (the encoder and its objective's heads, best by held-out loss),
 config.json, tokenizer.json, metrics.json, TensorBoard events, checkpoints/. `tfm train
 --init-from DIR` starts a classifier from its encoder and tokenizer.
 """
@@ -39,7 +40,7 @@ from transformer_cli.data import (
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
 from transformer_cli.fileio import cache_dir, write_json
-from transformer_cli.model import MaskedLM
+from transformer_cli.model import Electra, MaskedLM
 from transformer_cli.runtime import Runtime, make_runtime
 from transformer_cli.train import (
     Batch,
@@ -215,8 +216,9 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
 
 
 class MaskedLanguageModelling:
-    """The pretraining task: predict masked tokens of the training texts; validated on the held-out
-    texts with the same masks every time, so that its figures compare across steps."""
+    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM)
+    or to detect the generator's replacements of them (Electra). Validated on the held-out texts with
+    the same masks and samples every time, so that its figures compare across steps."""
 
     prefix = "pretrain"
 
@@ -248,15 +250,19 @@ class MaskedLanguageModelling:
         model.eval()
         generator = torch.Generator().manual_seed(0)
         loss_sum = correct = count = 0.0
-        try:
-            for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
-                tensors, _ = self._masked(self.val, idx, generator)
-                with rt.autocast():
-                    loss, accuracy = model(*rt.tensors(*(t.numpy() for t in tensors)))
-                n = len(tensors[3])
-                loss_sum, correct, count = loss_sum + loss.item() * n, correct + accuracy.item() * n, count + n
-        finally:
-            model.train(was_training)
+        # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
+        # if there had been no validation
+        with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+            torch.manual_seed(0)
+            try:
+                for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
+                    tensors, _ = self._masked(self.val, idx, generator)
+                    with rt.autocast():
+                        loss, accuracy = model(*rt.tensors(*(t.numpy() for t in tensors)))
+                    n = len(tensors[3])
+                    loss_sum, correct, count = loss_sum + loss.item() * n, correct + accuracy.item() * n, count + n
+            finally:
+                model.train(was_training)
         m = {"loss": loss_sum / count, "accuracy": correct / count, "num_predicted": int(count)}
         return m, {"pretrain_val/loss": m["loss"], "pretrain_val/accuracy": m["accuracy"]}, -m["loss"]
 
@@ -274,11 +280,19 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()
-    model = MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
+    model = pretraining_model(cfg, vocab_size)
     task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size)
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind="pretrained encoder",
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
+
+
+def pretraining_model(cfg: Config, vocab_size: int) -> MaskedLM | Electra:
+    """The encoder with the heads of the configured objective."""
+    pc = cfg.pretrain
+    if pc.objective == "electra":
+        return Electra(cfg.model, vocab_size, cfg.data.max_length, pc.generator_layers, pc.detection_weight)
+    return MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
 
 
 def finish(run: Run, logger: Logger) -> dict:

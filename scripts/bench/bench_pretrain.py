@@ -10,6 +10,9 @@ What it measures
       straight   written here, as a masked-LM step is usually written (e.g. BertForMaskedLM): the
                  same modules score every position over the whole vocabulary, cross-entropy with
                  ignore_index=-100 on the unmasked ones, torch.optim.AdamW (foreach), clipping; fp32
+      electra    tfm's step with pretrain.objective = "electra" (replaced-token detection: a generator
+                 of pretrain.generator_layers blocks, then the encoder scores every real token), so
+                 that the two objectives compare per CPU-second
 
     tokens/s counts real tokens (padding excluded). GFLOP/s is each variant's own matmul FLOPs
     (3 x forward: the encoder's linear layers and attention, the head's transform and vocabulary
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 from transformer_cli.config import load_config, parse_overrides
 from transformer_cli.data import CLS_ID, BucketSampler, Encoded
 from transformer_cli.model import MaskedLM
-from transformer_cli.pretrain import Corpus, MaskedLanguageModelling, prepare_corpus
+from transformer_cli.pretrain import Corpus, MaskedLanguageModelling, prepare_corpus, pretraining_model
 from transformer_cli.runtime import make_runtime
 from transformer_cli.train import build_run, seed_everything, train_step
 
@@ -97,8 +100,11 @@ def main(argv=None) -> int:
     model = MaskedLM(cfg.model, vocab, cfg.data.max_length)
     straight = MaskedLM(cfg.model, vocab, cfg.data.max_length)
     straight.load_state_dict(model.state_dict())
-    with tempfile.TemporaryDirectory() as out:
+    electra_cfg = cfg.replace(pretrain={"objective": "electra"})
+    electra = pretraining_model(electra_cfg, vocab)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as out2:
         run = build_run(cfg.replace(train={"output_dir": out}), rt, model, task, None, False, {})
+        electra_run = build_run(electra_cfg.replace(train={"output_dir": out2}), rt, electra, task, None, False, {})
         optimizer = torch.optim.AdamW(straight.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
                                       foreach=True)
 
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
             optimizer.step()
             loss.item()
 
-        variants = {"tfm": lambda b: train_step(run, [b]), "straight": straightforward_step}
+        variants = {"tfm": lambda b: train_step(run, [b]), "straight": straightforward_step,
+                    "electra": lambda b: train_step(electra_run, [b])}
         times = {name: [] for name in variants}
         peak = bc.MatmulPeak()
         for i, batch in enumerate(batches):
@@ -130,6 +137,8 @@ def main(argv=None) -> int:
     flops = {
         "tfm": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.units, vocab)) for b in timed),
         "straight": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed),
+        "electra": sum(3 * (encoder_flops(cfg, b) * (1 + cfg.pretrain.generator_layers / cfg.model.n_layers)
+                            + head_flops(cfg, b.units, vocab)) for b in timed),
     }
     rows = []
     for name, ts in times.items():
