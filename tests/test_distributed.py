@@ -1,6 +1,7 @@
 """torchrun with 2 CPU processes (gloo) against one process with the same global batch."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,11 +12,11 @@ from conftest import read_scalars
 from safetensors.torch import load_file
 
 
-def _train(args: list[str], out: Path, env: dict, nproc: int) -> subprocess.CompletedProcess:
+def _train(args: list[str], out: Path, env: dict, nproc: int, command: str = "train") -> subprocess.CompletedProcess:
     env = {**env, "PYTHONFAULTHANDLER": "1"}  # a crashed rank prints where each of its threads was
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
-    cmd = [*launcher, "-m", "transformer_cli", "train", *args, "-o", str(out), "--no-progress"]
+    cmd = [*launcher, "-m", "transformer_cli", command, *args, "-o", str(out), "--no-progress"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -54,6 +55,26 @@ def test_two_processes_equal_one_with_the_same_global_batch(synthetic_data_dir, 
     assert [s for s, _ in l2] == [s for s, _ in l1]
     for (step, a), (_, b) in zip(l2, l1):
         assert a == pytest.approx(b, rel=1e-3), step
+
+
+@pytest.mark.parametrize("objective", ["mlm", "electra"])
+def test_pretraining_runs_and_resumes_under_torchrun(synthetic_data_dir, tmp_path, objective):
+    """Each rank masks its share of the global batch; gradients are averaged over ranks (every
+    parameter of either objective takes part in every step), rank 0 alone writes the outputs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    args = ["--config", "configs/tiny.toml", "--data", str(synthetic_data_dir), f"pretrain.objective={objective}",
+            "train.checkpoint_every=3"]
+    first = _train([*args, "--max-steps", "3"], out, env, nproc=2, command="pretrain")
+    assert first.returncode == 0, first.stderr[-6000:]
+    assert first.stdout.count("done:") == 1 and len(list(out.glob("events.out.tfevents.*"))) == 1
+    resumed = _train([*args, "--max-steps", "6", "--resume", "--force"], out, env, nproc=2, command="pretrain")
+    assert resumed.returncode == 0, resumed.stderr[-6000:]
+    assert len(list(out.glob("events.out.tfevents.*"))) == 2  # one per launch, from rank 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    assert math.isfinite(metrics["val"]["loss"]) and 0 < metrics["val"]["accuracy"] <= 1
+    assert [d.name for d in (out / "checkpoints").iterdir()] == ["step-00000003", "step-00000006"]
 
 
 def test_resume_with_another_world_size_is_refused(synthetic_data_dir, tmp_path):
