@@ -204,6 +204,24 @@ def test_param_groups_decay_exactly_the_matrices():
     assert id(named["encoder.blocks.0.attn.qkv.weight"]) in decay_ids
 
 
+def test_layer_lr_decay_scales_each_depth_and_keeps_weight_decay_on_matrices():
+    model = CTransformer(model_cfg(n_layers=2, ngram_buckets=64), VOCAB, MAX_LEN)
+    groups = model.param_groups(0.1, layer_lr_decay=0.5)
+    scale = {id(p): (g["lr_scale"], g["weight_decay"]) for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert len(scale) == sum(len(g["params"]) for g in groups) == len(named)  # each parameter once
+    expected = {"encoder.tok_emb.weight": 0.125, "encoder.pos_emb.weight": 0.125,  # 0.5 ** (n_layers + 1)
+                "encoder.blocks.0.attn.qkv.weight": 0.25, "encoder.blocks.1.ff.0.bias": 0.5,
+                "encoder.norm.weight": 1.0, "head.weight": 1.0,
+                "ngrams.table.weight": model.cfg.ngram_lr_scale}  # the n-gram path keeps its own rate
+    for name, lr_scale in expected.items():
+        assert scale[id(named[name])][0] == lr_scale, name
+    for name, p in named.items():
+        assert scale[id(p)][1] == (0.1 if p.dim() >= 2 else 0.0), name
+    plain = model.param_groups(0.1, layer_lr_decay=1.0)  # one rate: the two groups of decay_groups
+    assert len(plain) == 3 and all("lr_scale" not in g for g in plain[:2])
+
+
 def reference_ngram_scores(bag: NgramBag, ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Each row's unigrams and hashed n-grams (each distinct one once if `bag.binary`) counted one by one, in float64."""
     table = bag.table.weight.double()

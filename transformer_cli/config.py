@@ -188,6 +188,7 @@ class TrainConfig(_Section):
     grad_accum_steps: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.1
+    layer_lr_decay: float = 1.0  # each encoder layer learns at this multiple of the rate of the one above it
     beta1: float = 0.9
     beta2: float = 0.98
     schedule: Literal["linear", "cosine", "constant"] = "linear"
@@ -232,6 +233,8 @@ class TrainConfig(_Section):
             self._fail("lr", "must be positive")
         if not self.weight_decay >= 0:
             self._fail("weight_decay", "must be non-negative")
+        if not 0.0 < self.layer_lr_decay <= 1.0:
+            self._fail("layer_lr_decay", "must be in (0, 1] (1: every layer at train.lr)")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")

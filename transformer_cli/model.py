@@ -7,6 +7,7 @@ Shapes: B batch, T tokens, C = d_model, H heads, Dh = C // H head size.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -271,13 +272,15 @@ class CTransformer(nn.Module):
             return logits, loss(logits)
         return logits, loss(deep + wide.detach()) + loss(wide)
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        """Weight decay on matrices (linear and embedding weights) only, not biases or norms.
+    def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
+        """Weight decay on matrices (linear and embedding weights) only, not biases or norms; with
+        `layer_lr_decay` < 1, lower layers learn at lower rates (see `layer_groups`).
 
         The n-gram table, a linear model, learns at `ngram_lr_scale` times the rate (`lr_scale`).
         """
         wide = [] if self.ngrams is None else [self.ngrams.table.weight]
-        groups = decay_groups([p for p in self.parameters() if not any(p is w for w in wide)], weight_decay)
+        named = [(n, p) for n, p in self.named_parameters() if not any(p is w for w in wide)]
+        groups = layer_groups(named, self.cfg.n_layers, weight_decay, layer_lr_decay)
         if wide:
             groups.append({"params": wide, "weight_decay": weight_decay, "lr_scale": self.cfg.ngram_lr_scale})
         return groups
@@ -327,8 +330,8 @@ class MaskedLM(nn.Module):
         accuracy = (logits.detach().argmax(-1) == targets).float().mean()
         return loss, accuracy
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return decay_groups(list(self.parameters()), weight_decay)
+    def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
+        return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -380,8 +383,8 @@ class Electra(nn.Module):
         accuracy = ((scores.detach() > 0) == replaced).float().mean()
         return generator_loss + self.detection_weight * detection_loss, accuracy
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return decay_groups(list(self.parameters()), weight_decay)
+    def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
+        return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -401,6 +404,27 @@ def init_weights(model: nn.Module, n_layers: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith(("attn.proj.weight", "ff.2.weight")):
             nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
+
+
+def layer_groups(named: list[tuple[str, nn.Parameter]], n_layers: int, weight_decay: float,
+                 layer_lr_decay: float) -> list[dict]:
+    """`decay_groups` per depth, each with the learning-rate multiple `lr_scale` = layer_lr_decay ** (its
+    distance from the top): the heads and final norm learn at the full rate, block i at
+    layer_lr_decay ** (n_layers - i), the embeddings at layer_lr_decay ** (n_layers + 1). This is
+    fine-tuning's layer-wise (discriminative) learning rates, as ULMFiT and ELECTRA use them: the
+    lower layers hold the most general features, which a few labelled examples should move least.
+    At 1.0 it is `decay_groups` itself."""
+    if layer_lr_decay == 1.0:
+        return decay_groups([p for _, p in named], weight_decay)
+    by_depth: dict[int, list[nn.Parameter]] = {}
+    for name, p in named:
+        block = re.match(r"encoder\.blocks\.(\d+)\.", name)
+        embedding = name.startswith(("encoder.tok_emb.", "encoder.pos_emb."))
+        depth = 0 if embedding else int(block.group(1)) + 1 if block else n_layers + 1
+        by_depth.setdefault(depth, []).append(p)
+    return [{**group, "lr_scale": layer_lr_decay ** (n_layers + 1 - depth)}
+            for depth in sorted(by_depth) for group in decay_groups(by_depth[depth], weight_decay)
+            if group["params"]]
 
 
 def decay_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:

@@ -102,5 +102,5 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device
     tensor instead of foreach's several."""
     fused = device.type in ("cpu", "cuda")
     cls = LazyAdamW if model.cfg.lazy_embeddings else torch.optim.AdamW
-    return cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
+    return cls(model.param_groups(tc.weight_decay, tc.layer_lr_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2),
                fused=fused, foreach=None if fused else True)
