@@ -80,7 +80,7 @@ def test_masked_lm_loss_equals_the_straightforward_full_vocabulary_loss(norm):
     model = MaskedLM(cfg, VOCAB, 64)
     ids, mask = batch([40, 25, 7, 33], seed=3)
     masked, picked, targets = mask_tokens(ids, mask, 0.3, VOCAB, torch.Generator().manual_seed(2))
-    loss, accuracy = model(masked, mask, picked, targets)
+    loss, stats = model(masked, mask, picked, targets)
     loss.backward()
     fast = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -91,7 +91,7 @@ def test_masked_lm_loss_equals_the_straightforward_full_vocabulary_loss(norm):
     reference.backward()
     torch.testing.assert_close(loss, reference)
     expected_accuracy = (logits.view(-1, VOCAB)[picked].argmax(-1) == targets).float().mean()
-    torch.testing.assert_close(accuracy, expected_accuracy)
+    torch.testing.assert_close(stats["accuracy"], expected_accuracy)
     for name, p in model.named_parameters():
         torch.testing.assert_close(fast[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
 
@@ -122,7 +122,7 @@ def test_electra_equals_a_straightforward_replaced_token_detection():
     ids, mask = batch([16, 9, 3])
     masked, picked, targets = mask_tokens(ids, mask, 0.5, VOCAB, torch.Generator().manual_seed(1))
     torch.manual_seed(2)
-    objective, accuracy = model(masked, mask, picked, targets)
+    objective, stats = model(masked, mask, picked, targets)
 
     torch.manual_seed(2)
     x = model.encoder.tok_emb(masked) + model.encoder.pos_emb.weight[:16]
@@ -139,7 +139,10 @@ def test_electra_equals_a_straightforward_replaced_token_detection():
     expected = F.cross_entropy(logits, targets) + 50.0 * F.binary_cross_entropy_with_logits(
         scores[real], is_replaced[real])
     assert objective.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert accuracy.item() == pytest.approx(((scores[real] > 0).float() == is_replaced[real]).float().mean().item())
+    assert stats["accuracy"].item() == pytest.approx(
+        ((scores[real] > 0).float() == is_replaced[real]).float().mean().item())
+    assert stats["generator_loss"].item() == pytest.approx(F.cross_entropy(logits, targets).item(), rel=1e-5)
+    assert stats["generator_accuracy"] == (logits.argmax(-1) == targets).float().mean()
     assert not any("emb" in name for name, _ in model.named_parameters() if not name.startswith("encoder."))
     objective.backward()  # the encoder learns from both losses through the shared embedding
     assert model.encoder.tok_emb.weight.grad.abs().sum() > 0 and model.generator[0].attn.qkv.weight.grad.abs().sum() > 0
@@ -309,6 +312,12 @@ def test_fine_tuning_starts_from_an_electra_discriminator(synthetic_data_dir, tm
     metrics = pretrain(pretrain_config(synthetic_data_dir, out, train__epochs=3, pretrain__objective="electra"),
                        progress=False)
     assert 0.5 < metrics["val"]["accuracy"] <= 1.0  # of the detection, at every real token
+    tags = read_scalars(out)
+    for part in ("generator_loss", "detection_loss", "generator_accuracy"):  # logged beside the objective
+        assert f"pretrain/{part}" in tags and f"pretrain_val/{part}" in tags, part
+    weight = 50.0  # pretrain.detection_weight's default
+    assert metrics["val"]["loss"] == pytest.approx(
+        metrics["val"]["generator_loss"] + weight * metrics["val"]["detection_loss"], rel=1e-5)
     saved = load_file(out / ckpt.MODEL_FILE)
     assert {"detector.weight", "lm_head.bias", "generator.0.attn.qkv.weight"} <= saved.keys()
     cfg = pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))

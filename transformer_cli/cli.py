@@ -199,7 +199,7 @@ def pretrain(
     device: TrainDevice = None, precision: Precision = None, max_train_samples: MaxTrainSamples = None,
     resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
 ) -> None:
-    """Pretrain the encoder on unlabelled text (masked-LM) and write OUTPUT_DIR (default runs/pretrain):
+    """Pretrain the encoder on unlabelled text (masked-LM or ELECTRA) and write OUTPUT_DIR (default runs/pretrain):
     model.safetensors, config.json, tokenizer.json, metrics.json, events. `tfm train --init-from` reads it."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
@@ -212,7 +212,8 @@ def pretrain(
     if os.environ.get("RANK", "0") != "0":
         return
     val = metrics["val"]
-    typer.echo(f"done: best held-out masked-LM loss {val['loss']:.4f} (accuracy {val['accuracy']:.4f}) at step "
+    objective = {"mlm": "masked-LM", "electra": "ELECTRA"}[cfg.pretrain.objective]
+    typer.echo(f"done: best held-out {objective} loss {val['loss']:.4f} (accuracy {val['accuracy']:.4f}) at step "
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 

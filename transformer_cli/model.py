@@ -321,14 +321,13 @@ class MaskedLM(nn.Module):
         return self.lm_head(h, self.encoder.tok_emb.weight)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss, accuracy) of the predictions at `picked`, (N,) flat indices into the (B, T) batch,
-        whose original ids are `targets` (N,)."""
+                targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the loss, {"accuracy"}) of the predictions at `picked`, (N,) flat indices into the (B, T)
+        batch, whose original ids are `targets` (N,)."""
         h = self.encoder(ids, mask)  # (B, T, C)
         logits = self.logits(h.flatten(0, 1)[picked])  # (N, V)
         loss = F.cross_entropy(logits.float(), targets)
-        accuracy = (logits.detach().argmax(-1) == targets).float().mean()
-        return loss, accuracy
+        return loss, {"accuracy": (logits.detach().argmax(-1) == targets).float().mean()}
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
@@ -367,8 +366,9 @@ class Electra(nn.Module):
         return self.lm_head(self.generator_norm(x).flatten(0, 1)[picked], self.encoder.tok_emb.weight)  # (N, V)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(objective, detection accuracy over the real tokens); the arguments as MaskedLM's."""
+                targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the objective, its parts: "accuracy" of the detection over the real tokens, and the
+        generator's and the detector's own losses); the arguments as MaskedLM's."""
         logits = self.generate(ids, mask, picked)  # (N, V)
         generator_loss = F.cross_entropy(logits.float(), targets)
         with torch.no_grad():
@@ -380,8 +380,10 @@ class Electra(nn.Module):
         scores = self.detector(self.encoder(corrupted, mask)).squeeze(-1)  # (B, T)
         scores, replaced = scores[mask], replaced[mask]  # (M,) each: the real tokens
         detection_loss = F.binary_cross_entropy_with_logits(scores.float(), replaced.float())
-        accuracy = ((scores.detach() > 0) == replaced).float().mean()
-        return generator_loss + self.detection_weight * detection_loss, accuracy
+        stats = {"accuracy": ((scores.detach() > 0) == replaced).float().mean(),
+                 "generator_loss": generator_loss.detach(), "detection_loss": detection_loss.detach(),
+                 "generator_accuracy": (logits.detach().argmax(-1) == targets).float().mean()}
+        return generator_loss + self.detection_weight * detection_loss, stats
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)

@@ -240,8 +240,8 @@ class MaskedLanguageModelling:
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, accuracy = engine(*batch.tensors)
-        return loss, {"loss": loss.detach(), "accuracy": accuracy}
+        loss, stats = engine(*batch.tensors)
+        return loss, {"loss": loss.detach(), **stats}
 
     @torch.no_grad()
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
@@ -249,7 +249,8 @@ class MaskedLanguageModelling:
         was_training = model.training
         model.eval()
         generator = torch.Generator().manual_seed(0)
-        loss_sum = correct = count = 0.0
+        sums: dict[str, float] = {}
+        count = 0
         # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
         # if there had been no validation
         with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
@@ -258,13 +259,15 @@ class MaskedLanguageModelling:
                 for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
                     tensors, _ = self._masked(self.val, idx, generator)
                     with rt.autocast():
-                        loss, accuracy = model(*rt.tensors(*(t.numpy() for t in tensors)))
-                    n = len(tensors[3])
-                    loss_sum, correct, count = loss_sum + loss.item() * n, correct + accuracy.item() * n, count + n
+                        loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
+                    n = len(tensors[3])  # weighted by the masked tokens
+                    for name, value in {"loss": loss, **stats}.items():
+                        sums[name] = sums.get(name, 0.0) + value.item() * n
+                    count += n
             finally:
                 model.train(was_training)
-        m = {"loss": loss_sum / count, "accuracy": correct / count, "num_predicted": int(count)}
-        return m, {"pretrain_val/loss": m["loss"], "pretrain_val/accuracy": m["accuracy"]}, -m["loss"]
+        m = {name: total / count for name, total in sums.items()}
+        return {**m, "num_predicted": count}, {f"pretrain_val/{k}": v for k, v in m.items()}, -m["loss"]
 
 
 # --------------------------------------------------------------------------- the command
