@@ -315,6 +315,39 @@ def evaluation_report(m: dict) -> str:
     return "\n".join(lines)
 
 
+@app.command(name="inspect", context_settings={"allow_extra_args": False})
+def inspect_model(
+    overrides: Overrides = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.",
+                                                    show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="TOML recipe: an untrained model at its sizes.",
+                                                show_default=False)] = None,
+    text: Annotated[str | None, typer.Option(help="Review to run through the model; default: a sample review.",
+                                             show_default=False)] = None,
+    depth: Annotated[int | None, typer.Option(min=0, help="Show the tree down to this depth (0: the model alone); "
+                                              "default: all of it.", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: dims, layers, total.")] = False,
+) -> None:
+    """The model layer by layer for one review: input and output shapes (B, T, C, H, Dh), parameters, FLOPs per token."""
+    if (checkpoint is None) == (config is None and not overrides):
+        raise UsageError("pass -c DIR (a trained model) or --config FILE [SECTION.FIELD=VALUE ...] (a recipe's "
+                         "sizes), one of the two")
+    if text is not None and not text.strip():
+        raise UsageError("--text is empty; pass a review, or leave --text out for the sample review")
+    from transformer_cli import summary  # imports torch
+
+    try:
+        import torchinfo  # noqa: F401
+    except ImportError:
+        raise TfmError("tfm inspect needs 'pip install transformer-cli[inspect]'") from None
+    if checkpoint is not None:
+        model, tokenizer, data_cfg = summary.model_from_dir(checkpoint)
+    else:
+        model, tokenizer, data_cfg = summary.model_from_config(load_config(config, parse_overrides(overrides or []))), None, None
+    s = summary.summarize(model, summary.sample_ids(text or summary.SAMPLE_TEXT, model, tokenizer, data_cfg))
+    typer.echo(json.dumps(s.to_dict(depth)) if as_json else summary.format_summary(s, depth))
+
+
 def main() -> None:
     app(prog_name="tfm")
 
