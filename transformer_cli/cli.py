@@ -263,17 +263,38 @@ def predict(
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     precision: InferPrecision = None,
+    explain: Annotated[bool, typer.Option(
+        "--explain", help="Also each token's contribution to the predicted label (integrated gradients, in fp32; "
+        "slower): coloured text, or 'tokens' and 'attributions' with --json.")] = False,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 
     results = predict_texts(checkpoint, inputs, device, batch_size, precision)
-    for text, r in zip(inputs, results):
+    explained = _explanations(checkpoint, inputs, results, device) if explain else [None] * len(inputs)
+    for text, r, e in zip(inputs, results, explained):
         if as_json:
-            typer.echo(json.dumps(r))
+            typer.echo(json.dumps(r if e is None else {**r, "tokens": e.tokens, "attributions": e.attributions}))
         else:
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{snippet(text)}")
+            if e is not None:
+                from rich.console import Console
+
+                from transformer_cli.explain import rich_text
+
+                Console(highlight=False).print(rich_text(e.tokens, e.attributions))
+
+
+def _explanations(checkpoint: Path, inputs: list[str], results: list[dict], device: str) -> list:
+    """transformer_cli.explain.explain_texts, or one line saying what to install."""
+    try:
+        import captum  # noqa: F401
+    except ImportError:
+        raise TfmError("explanations need 'pip install transformer-cli[inspect]'") from None
+    from transformer_cli.explain import explain_texts
+
+    return explain_texts(checkpoint, inputs, results, device)
 
 
 def snippet(text: str, width: int = 60) -> str:
@@ -313,6 +334,26 @@ def evaluation_report(m: dict) -> str:
             for name, row in zip(labels, m["confusion_matrix"])]
     lines.append("  confusion  " + ";  ".join(rows))
     return "\n".join(lines)
+
+
+@app.command(name="explain")
+def explain_reviews(
+    texts: Annotated[list[str] | None, typer.Argument(help="Reviews to explain.", show_default=False)] = None,
+    checkpoint: Ckpt = Path("runs/tfm"),
+    file: Annotated[str | None, typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
+    html: Annotated[Path, typer.Option("--html", help="Write the page here (one self-contained HTML file).")] = ...,
+    device: Device = "auto",
+) -> None:
+    """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
+    inputs = _read_inputs(texts or [], file)
+    from transformer_cli.evaluate import predict_texts  # imports torch
+
+    results = predict_texts(checkpoint, inputs, device)
+    explained = _explanations(checkpoint, inputs, results, device)
+    from transformer_cli.explain import write_html
+
+    write_html(html, [{**r, "tokens": e.tokens, "attributions": e.attributions} for r, e in zip(results, explained)])
+    typer.echo(f"wrote {html} ({len(inputs)} review{'s' if len(inputs) != 1 else ''})")
 
 
 @app.command(name="inspect", context_settings={"allow_extra_args": False})
