@@ -264,17 +264,38 @@ def predict(
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     precision: InferPrecision = None,
+    explain: Annotated[bool, typer.Option(
+        "--explain", help="Also each token's contribution to the predicted label (integrated gradients, in fp32; "
+        "slower): coloured text, or 'tokens' and 'attributions' with --json.")] = False,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 
     results = predict_texts(checkpoint, inputs, device, batch_size, precision)
-    for text, r in zip(inputs, results):
+    explained = _explanations(checkpoint, inputs, results, device) if explain else [None] * len(inputs)
+    for text, r, e in zip(inputs, results, explained):
         if as_json:
-            typer.echo(json.dumps(r))
+            typer.echo(json.dumps(r if e is None else {**r, "tokens": e.tokens, "attributions": e.attributions}))
         else:
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{snippet(text)}")
+            if e is not None:
+                from rich.console import Console
+
+                from transformer_cli.explain import rich_text
+
+                Console(highlight=False).print(rich_text(e.tokens, e.attributions))
+
+
+def _explanations(checkpoint: Path, inputs: list[str], results: list[dict], device: str) -> list:
+    """transformer_cli.explain.explain_texts, or one line saying what to install."""
+    try:
+        import captum  # noqa: F401
+    except ImportError:
+        raise TfmError("explanations need 'pip install transformer-cli[inspect]'") from None
+    from transformer_cli.explain import explain_texts
+
+    return explain_texts(checkpoint, inputs, results, device)
 
 
 def snippet(text: str, width: int = 60) -> str:
@@ -314,6 +335,59 @@ def evaluation_report(m: dict) -> str:
             for name, row in zip(labels, m["confusion_matrix"])]
     lines.append("  confusion  " + ";  ".join(rows))
     return "\n".join(lines)
+
+
+@app.command(name="explain")
+def explain_reviews(
+    texts: Annotated[list[str] | None, typer.Argument(help="Reviews to explain.", show_default=False)] = None,
+    checkpoint: Ckpt = Path("runs/tfm"),
+    file: Annotated[str | None, typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
+    html: Annotated[Path, typer.Option("--html", help="Write the page here (one self-contained HTML file).")] = ...,
+    device: Device = "auto",
+) -> None:
+    """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
+    inputs = _read_inputs(texts or [], file)
+    from transformer_cli.evaluate import predict_texts  # imports torch
+
+    results = predict_texts(checkpoint, inputs, device)
+    explained = _explanations(checkpoint, inputs, results, device)
+    from transformer_cli.explain import write_html
+
+    write_html(html, [{**r, "tokens": e.tokens, "attributions": e.attributions} for r, e in zip(results, explained)])
+    typer.echo(f"wrote {html} ({len(inputs)} review{'s' if len(inputs) != 1 else ''})")
+
+
+@app.command(name="inspect", context_settings={"allow_extra_args": False})
+def inspect_model(
+    overrides: Overrides = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.",
+                                                    show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="TOML recipe: an untrained model at its sizes.",
+                                                show_default=False)] = None,
+    text: Annotated[str | None, typer.Option(help="Review to run through the model; default: a sample review.",
+                                             show_default=False)] = None,
+    depth: Annotated[int | None, typer.Option(min=0, help="Show the tree down to this depth (0: the model alone); "
+                                              "default: all of it.", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: dims, layers, total.")] = False,
+) -> None:
+    """The model layer by layer for one review: input and output shapes (B, T, C, H, Dh), parameters, FLOPs per token."""
+    if (checkpoint is None) == (config is None and not overrides):
+        raise UsageError("pass -c DIR (a trained model) or --config FILE [SECTION.FIELD=VALUE ...] (a recipe's "
+                         "sizes), one of the two")
+    if text is not None and not text.strip():
+        raise UsageError("--text is empty; pass a review, or leave --text out for the sample review")
+    from transformer_cli import summary  # imports torch
+
+    try:
+        import torchinfo  # noqa: F401
+    except ImportError:
+        raise TfmError("tfm inspect needs 'pip install transformer-cli[inspect]'") from None
+    if checkpoint is not None:
+        model, tokenizer, data_cfg = summary.model_from_dir(checkpoint)
+    else:
+        model, tokenizer, data_cfg = summary.model_from_config(load_config(config, parse_overrides(overrides or []))), None, None
+    s = summary.summarize(model, summary.sample_ids(text or summary.SAMPLE_TEXT, model, tokenizer, data_cfg))
+    typer.echo(json.dumps(s.to_dict(depth)) if as_json else summary.format_summary(s, depth))
 
 
 def main() -> None:

@@ -1,0 +1,203 @@
+"""Why a review got its label: each token's contribution to the predicted label's probability.
+
+Integrated gradients on the token embeddings (captum's LayerIntegratedGradients on the encoder's
+`tok_emb`): the gradient of the label's probability is integrated along the straight path from a
+baseline, where every token of the review is [PAD] (an embedding the model never reads at a real
+position: padding is masked), to the review; [CLS] and the positions stay as they are.
+A token's attribution is the sum over its embedding's components, and the attributions add up to
+p(review) - p(baseline). captum does the layer hooking, the Gauss-Legendre nodes and the batching
+of the path; written by hand it would be the same code. The tokens are the tokenizer's pieces of
+the review as the model read it (truncated as in training), without [CLS].
+
+`faithfulness` checks that the attributions mean something: hiding a review's most-attributed
+tokens (as padding, through the mask) must lower the label's probability more than hiding as many
+random ones.
+"""
+
+from __future__ import annotations
+
+import html
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from transformer_cli.data import PAD_ID, encode_texts
+from transformer_cli.errors import TfmError
+from transformer_cli.fileio import atomic_write_text
+
+# Gauss-Legendre nodes on the path: IG_STEPS first, doubled while the attributions' sum misses
+# p(review) - p(baseline) by more than IG_TOLERANCE of it (plus IG_TOLERANCE_ABS), up to
+# MAX_IG_STEPS. On unlabelled IMDB reviews the default model's attributions at 16 nodes correlate
+# at 0.99 with those at 256 and share 96% of their top 10% of tokens, with a median miss of 2.4%;
+# a small model trained hard on a few signal words has paths sharp enough to need 128 or more.
+IG_STEPS = 16
+MAX_IG_STEPS = 256
+IG_TOLERANCE, IG_TOLERANCE_ABS = 0.05, 0.005
+
+
+@dataclass
+class Explained:
+    tokens: list[str]  # the review's pieces as the model read them, without [CLS]
+    attributions: list[float]  # each piece's contribution to the label's probability
+    delta: float  # sum(attributions) - (p(review) - p(baseline)): the integral's error
+
+
+def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
+    """Each text's (T,) ids as the model reads them: [CLS] + its truncated subword ids."""
+    ids, offsets = encode_texts(tokenizer, texts, data_cfg.max_length, data_cfg.truncation, data_cfg.head_fraction)
+    return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
+
+
+def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int | None = None) -> tuple[np.ndarray, float]:
+    """((T,) attributions to the probability of label `target`, [CLS]'s included; the integral's error)
+    for one review's (T,) ids. `model` is a CTransformer in eval mode. `steps` None: IG_STEPS, doubled
+    until the error is within tolerance (see IG_STEPS); a number: exactly that many."""
+    from captum.attr import LayerIntegratedGradients
+
+    ids = ids.to(next(model.parameters()).device)[None]  # (1, T)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    baseline = ids.clone()
+    baseline[:, 1:] = PAD_ID  # [CLS] stays: its attribution is 0
+
+    def probabilities(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return model(x, m).float().softmax(-1)  # (B, L)
+
+    ig = LayerIntegratedGradients(probabilities, model.encoder.tok_emb)
+    n = steps or IG_STEPS
+    while True:
+        with torch.enable_grad():
+            attr, delta = ig.attribute(ids, baselines=baseline, target=target, additional_forward_args=(mask,),
+                                       n_steps=n, return_convergence_delta=True)
+        attr, delta = attr.sum(-1)[0].detach().cpu().double().numpy(), float(delta)  # (T,): summed over C
+        gap = attr.sum() - delta  # p(review) - p(baseline)
+        if steps or n >= MAX_IG_STEPS or abs(delta) <= IG_TOLERANCE * abs(gap) + IG_TOLERANCE_ABS:
+            return attr, delta
+        n *= 2
+
+
+def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int | None = None) -> Explained:
+    attr, delta = integrated_gradients(model, ids, target, steps)
+    tokens = [tokenizer.id_to_token(int(i)) for i in ids[1:]]
+    return Explained(tokens, [float(a) for a in attr[1:]], delta)
+
+
+def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
+                  steps: int | None = None) -> list[Explained]:
+    """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
+    from transformer_cli.evaluate import load_for_inference
+
+    _, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
+    if cfg.model.ngram_buckets:
+        raise TfmError("explanations need the transformer alone; this model adds an n-gram path "
+                       "(model.ngram_buckets > 0), whose scores do not go through the token embeddings")
+    return [explain_ids(model, tokenizer, ids, labels.index(p["label"]), steps)
+            for ids, p in zip(review_ids(tokenizer, texts, cfg.data), predictions)]
+
+
+# --------------------------------------------------------------------------- faithfulness
+
+
+def hidden_probability(model, ids: torch.Tensor, target: int, hidden: list[np.ndarray]) -> np.ndarray:
+    """The probability of `target` with each set of positions of `hidden` masked out (as padding), one
+    review's (T,) ids; a batch of len(hidden) forward passes."""
+    device = next(model.parameters()).device
+    mask = torch.ones(len(hidden), len(ids), dtype=torch.bool)
+    for row, positions in enumerate(hidden):
+        mask[row, torch.as_tensor(positions, dtype=torch.long)] = False
+    with torch.inference_mode():
+        logits = model(ids.expand(len(hidden), -1).to(device), mask.to(device))  # (N, L)
+    return logits.float().softmax(-1)[:, target].cpu().double().numpy()
+
+
+def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fraction: float = 0.1,
+                 random_draws: int = 5, seed: int = 0) -> dict:
+    """Hide each review's most-attributed tokens (the top `fraction` of its tokens, at least one) and,
+    separately, as many random ones (`random_draws` draws, averaged); report the mean drops of the
+    label's probability and their ratio. `reviews`: ((T,) ids, target, (T-1,) attributions without
+    [CLS]). A ratio well above 1 says the attributions point at what the model reads."""
+    rng = np.random.default_rng(seed)
+    top_drops, random_drops = [], []
+    for ids, target, attr in reviews:
+        n = len(ids) - 1
+        k = max(1, round(fraction * n))
+        top = 1 + np.argsort(-np.asarray(attr), kind="stable")[:k]  # positions after [CLS]
+        draws = [1 + rng.choice(n, size=k, replace=False) for _ in range(random_draws)]
+        p = hidden_probability(model, ids, target, [np.zeros(0, dtype=np.int64), top, *draws])
+        top_drops.append(p[0] - p[1])
+        random_drops.append(p[0] - p[2:].mean())
+    top, rand = float(np.mean(top_drops)), float(np.mean(random_drops))
+    return {"reviews": len(reviews), "fraction": fraction, "top_drop": top, "random_drop": rand,
+            "ratio": top / rand if rand > 0 else float("inf")}
+
+
+# --------------------------------------------------------------------------- showing them
+
+
+def display_pieces(tokens: list[str]) -> list[tuple[str, str]]:
+    """(space before, text) of each piece: a WordPiece continuation ("##ing") joins the piece before it."""
+    return [("" if t.startswith("##") and i else " " if i else "", t.removeprefix("##"))
+            for i, t in enumerate(tokens)]
+
+
+def _strengths(attributions: list[float]) -> np.ndarray:
+    a = np.asarray(attributions, dtype=np.float64)
+    peak = np.abs(a).max() if len(a) else 0.0
+    return a / peak if peak > 0 else np.zeros_like(a)
+
+
+def rich_text(tokens: list[str], attributions: list[float]):
+    """The review as a rich Text: green behind tokens that speak for the label, red against, by strength."""
+    from rich.text import Text
+
+    text = Text()
+    for (space, piece), s in zip(display_pieces(tokens), _strengths(attributions)):
+        text.append(space)
+        if abs(s) < 0.05:
+            text.append(piece)
+            continue
+        fade = round(255 * (1 - abs(s)))
+        rgb = (fade, 255, fade) if s > 0 else (255, fade, fade)
+        text.append(piece, style=f"black on rgb({rgb[0]},{rgb[1]},{rgb[2]})")
+    return text
+
+
+PAGE_STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #111; }
+h1 { font-size: 1.3rem; } h2 { font-size: 1.05rem; margin-bottom: 0.3rem; }
+.review { line-height: 1.9; border: 1px solid #ddd; border-radius: 6px; padding: 0.6rem 0.8rem; }
+.t { border-radius: 3px; padding: 0.05rem 0; }
+.legend span { padding: 0.1rem 0.4rem; border-radius: 3px; margin-right: 0.5rem; }
+"""
+
+
+LEGEND = ('<p class="legend"><span style="background: rgba(22,163,74,0.6)">for the label</span>'
+          '<span style="background: rgba(220,38,38,0.6)">against it</span> (integrated gradients on the token '
+          "embeddings; hover a token for its contribution to the label's probability)</p>")
+
+
+def html_page(items: list[dict]) -> str:
+    """One self-contained page (no external resource): each item's label, probability and tokens, each
+    token's background green (for the label) or red (against) by the strength of its attribution.
+    `items`: {"label", "score", "tokens", "attributions"}."""
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+             "<title>tfm explain</title>", f"<style>{PAGE_STYLE}</style></head><body>",
+             "<h1>Why each review got its label</h1>",
+             LEGEND]
+    for n, item in enumerate(items, 1):
+        parts.append(f"<section><h2>{n}. {html.escape(item['label'])} ({item['score']:.3f})</h2>"
+                     '<p class="review">')
+        for (space, piece), s, a in zip(display_pieces(item["tokens"]), _strengths(item["attributions"]),
+                                        item["attributions"]):
+            colour = "22,163,74" if s > 0 else "220,38,38"
+            parts.append(f'{space}<span class="t" style="background: rgba({colour},{abs(s):.3f})" '
+                         f'title="{a:+.4f}">{html.escape(piece)}</span>')
+        parts.append("</p></section>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def write_html(path: Path, items: list[dict]) -> None:
+    atomic_write_text(path, html_page(items))
