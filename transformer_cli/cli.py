@@ -182,8 +182,12 @@ def train(
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
-    val = metrics.get("val", {})
-    line = f"done: best val accuracy {val.get('accuracy', float('nan')):.4f} at step {metrics['best_step']}"
+    val, metric = metrics.get("val", {}), metrics["select_metric"]
+    line = f"done: best val {metric} {val.get(metric, float('nan')):.4f} at step {metrics['best_step']}"
+    if metric != "accuracy":
+        line += f" (accuracy {val.get('accuracy', float('nan')):.4f})"
+    if metrics["stopped_early"]:
+        line += f", stopped early at step {metrics['steps']}"
     if "test" in metrics:
         line += f", test accuracy {metrics['test']['accuracy']:.4f}"
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
@@ -297,7 +301,8 @@ def evaluate(
     batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
     precision: InferPrecision = None,
 ) -> None:
-    """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
+    """Accuracy, macro-F1, loss, each class's precision, recall and F1, and the confusion matrix of a trained
+    model on a split."""
     from transformer_cli.evaluate import evaluate_checkpoint  # imports torch
 
     m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
@@ -305,13 +310,23 @@ def evaluate(
 
 
 def evaluation_report(m: dict) -> str:
-    """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of labels."""
+    """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of classes: the
+    overall figures, a table of each class's, and the confusion matrix (rows: true, columns: predicted)."""
     lines = [f"{m['data']} [{m['split']}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s"]
-    lines += [f"  {key:<10} {m[key]:.4f}" for key in ("accuracy", "precision", "recall", "f1", "loss")]
+    lines += [f"  {title:<10} {m[key]:.4f}" for title, key in
+              (("accuracy", "accuracy"), ("macro F1", "macro_f1"), ("loss", "loss"))]
     labels = m["labels"]
-    rows = [f"true {name}: " + " / ".join(f"{n} {p}" for n, p in zip(row, labels))
-            for name, row in zip(labels, m["confusion_matrix"])]
-    lines.append("  confusion  " + ";  ".join(rows))
+    width = max(len("class"), *map(len, labels))
+    lines.append(f"  {'class':<{width}}  precision  recall      f1  support")
+    for name in labels:
+        c = m["per_class"][name]
+        lines.append(f"  {name:<{width}}  {c['precision']:9.4f}  {c['recall']:6.4f}  {c['f1']:6.4f}  {c['support']:7d}")
+    cells = [str(n) for row in m["confusion_matrix"] for n in row]
+    cell = max(map(len, [*labels, *cells]))
+    lines.append(f"  confusion (rows: true, columns: predicted)")
+    lines.append(f"  {'':<{width}}  " + "  ".join(f"{name:>{cell}}" for name in labels))
+    for name, row in zip(labels, m["confusion_matrix"]):
+        lines.append(f"  {name:<{width}}  " + "  ".join(f"{n:>{cell}}" for n in row))
     return "\n".join(lines)
 
 
