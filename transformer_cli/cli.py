@@ -323,7 +323,7 @@ def evaluation_report(m: dict) -> str:
         lines.append(f"  {name:<{width}}  {c['precision']:9.4f}  {c['recall']:6.4f}  {c['f1']:6.4f}  {c['support']:7d}")
     cells = [str(n) for row in m["confusion_matrix"] for n in row]
     cell = max(map(len, [*labels, *cells]))
-    lines.append(f"  confusion (rows: true, columns: predicted)")
+    lines.append("  confusion (rows: true, columns: predicted)")
     lines.append(f"  {'':<{width}}  " + "  ".join(f"{name:>{cell}}" for name in labels))
     for name, row in zip(labels, m["confusion_matrix"]):
         lines.append(f"  {name:<{width}}  " + "  ".join(f"{n:>{cell}}" for n in row))

@@ -270,7 +270,8 @@ def _distinct_labels(values: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     elif all(isinstance(v, str) for v in values):
         array = np.asarray(values, dtype=str)
     else:
-        odd = next(v for v in values if not isinstance(v, (int, bool, np.integer, str)))
+        text = isinstance(values[0], str)
+        odd = next(v for v in values if isinstance(v, str) != text or not isinstance(v, (int, np.integer, str)))
         raise TfmError(f"{where} has label {odd!r}; labels must be integers or class names (text), "
                        "one kind throughout")
     distinct, inverse = np.unique(array, return_inverse=True)
