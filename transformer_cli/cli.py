@@ -25,10 +25,14 @@ class _Tfm(TyperGroup):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> NoReturn:
         """Parse the command line and run the command. Whatever either raises becomes one `tfm: error: ...`
-        line on stderr and the exit code; click's own usage errors too, instead of its boxed message."""
+        line on stderr and the exit code; click's own usage errors too, instead of its boxed message. A
+        shell's completion request (env _TFM_COMPLETE, set by the script `--install-completion` installs)
+        is answered first, as typer's own `main` would."""
+        prog_name = prog_name or "tfm"
+        self._main_shell_completion(extra, prog_name, extra.pop("complete_var", None))  # exits if it was one
         click_exception, usage_error, no_args = _click_errors()
         try:
-            with self.make_context(prog_name or "tfm", sys.argv[1:] if args is None else list(args), **extra) as ctx:
+            with self.make_context(prog_name, sys.argv[1:] if args is None else list(args), **extra) as ctx:
                 self.invoke(ctx)
         except typer.Exit as e:  # --help, --version
             sys.exit(e.exit_code)
@@ -85,7 +89,6 @@ app = typer.Typer(
     cls=_Tfm,
     help="Train, evaluate and run a from-scratch transformer sentiment classifier on IMDB reviews.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 
