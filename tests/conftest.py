@@ -80,6 +80,29 @@ def make_examples(n: int, seed: int) -> list[dict]:
     ]
 
 
+MIXED = ["okay", "average", "decent", "fine"]  # the words of the third class of make_three_class_examples
+THREE_CLASSES = ["negative", "neutral", "positive"]
+
+
+def make_three_class_examples(n: int, seed: int) -> list[dict]:
+    """n reviews labelled by name, a third of each of THREE_CLASSES, in random order: negative and
+    positive ones as make_review writes them, neutral ones with a few MIXED words instead."""
+    rng = random.Random(seed)
+    labels = [THREE_CLASSES[i % 3] for i in range(n)]
+    rng.shuffle(labels)
+    rows = []
+    for label in labels:
+        if label == "neutral":
+            words = [rng.choice(NEUTRAL) for _ in range(rng.randint(6, 40))]
+            for _ in range(rng.randint(2, 4)):
+                words.insert(rng.randrange(len(words) + 1), rng.choice(MIXED))
+            text = " ".join(words) + "."
+        else:
+            text = make_review(rng, int(label == "positive"))
+        rows.append({"text": text, "label": label})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path

@@ -194,7 +194,8 @@ def test_evaluate_json(cli_run, test_rows):
     r = tfm("evaluate", "-c", cli_run, "--json")
     assert r.exit_code == 0, r.stderr
     (m,) = json_lines(r.stdout)
-    assert {"accuracy", "precision", "recall", "f1", "loss", "confusion_matrix", "num_examples"} <= m.keys()
+    assert {"accuracy", "macro_f1", "per_class", "loss", "confusion_matrix", "labels", "num_examples"} <= m.keys()
+    assert m["labels"] == ["neg", "pos"] and list(m["per_class"]) == ["neg", "pos"]
     assert m["num_examples"] == len(test_rows) == sum(map(sum, m["confusion_matrix"]))
     (tn, _), (_, tp) = m["confusion_matrix"]
     assert m["accuracy"] == pytest.approx((tn + tp) / len(test_rows))
@@ -211,20 +212,36 @@ def test_evaluate_text_report(cli_run):
     m = json.loads(tfm("evaluate", "-c", cli_run, "--json").stdout)
     lines = r.stdout.splitlines()
     assert lines[0].startswith(f"{m['data']} [test]: {m['num_examples']} examples, ")
-    assert lines[1:6] == [f"  {key:<10} {m[key]:.4f}" for key in ("accuracy", "precision", "recall", "f1", "loss")]
+    assert lines[1:4] == [f"  {title:<10} {m[key]:.4f}" for title, key in
+                          (("accuracy", "accuracy"), ("macro F1", "macro_f1"), ("loss", "loss"))]
+    assert lines[4].split() == ["class", "precision", "recall", "f1", "support"]
+    for line, name in zip(lines[5:7], ("neg", "pos")):
+        c = m["per_class"][name]
+        assert line.split() == [name, f"{c['precision']:.4f}", f"{c['recall']:.4f}", f"{c['f1']:.4f}", str(c["support"])]
     (tn, fp), (fn, tp) = m["confusion_matrix"]
-    assert lines[6] == f"  confusion  true neg: {tn} neg / {fp} pos;  true pos: {fn} neg / {tp} pos"
-    assert len(lines) == 7
+    assert lines[7] == "  confusion (rows: true, columns: predicted)"
+    assert [line.split() for line in lines[8:]] == [["neg", "pos"], ["neg", str(tn), str(fp)], ["pos", str(fn), str(tp)]]
 
 
 def test_evaluation_report_of_three_labels():
-    from transformer_cli.cli import evaluation_report
+    import numpy as np
 
-    m = {"data": "d", "split": "test", "num_examples": 9, "examples_per_sec": 1.0, "accuracy": 0.5, "precision": 0.5,
-         "recall": 0.5, "f1": 0.5, "loss": 1.0, "labels": ["a", "b", "c"],
-         "confusion_matrix": [[1, 2, 0], [0, 3, 0], [1, 0, 2]]}
-    assert evaluation_report(m).splitlines()[-1] == (
-        "  confusion  true a: 1 a / 2 b / 0 c;  true b: 0 a / 3 b / 0 c;  true c: 1 a / 0 b / 2 c")
+    from transformer_cli.cli import evaluation_report
+    from transformer_cli.evaluate import metrics_from_confusion
+
+    m = metrics_from_confusion(np.array([[1, 2, 0], [0, 3, 0], [1, 0, 12]]), ["a", "bee", "c"])
+    m.update({"data": "d", "split": "test", "examples_per_sec": 1.0, "loss": 1.0})
+    assert evaluation_report(m).splitlines()[4:] == [
+        "  class  precision  recall      f1  support",
+        "  a         0.5000  0.3333  0.4000        3",
+        "  bee       0.6000  1.0000  0.7500        3",
+        "  c         1.0000  0.9231  0.9600       13",
+        "  confusion (rows: true, columns: predicted)",
+        "           a  bee    c",
+        "  a        1    2    0",
+        "  bee      0    3    0",
+        "  c        1    0   12",
+    ]
 
 
 # --------------------------------------------------------------------------- errors
@@ -316,8 +333,10 @@ def test_unusual_reviews(cli_run, text):
 
 @pytest.mark.parametrize(("rows", "code", "fragment"), [
     ([{"review": "good", "label": 1}] * 4, 1, "no column 'text'"),
-    ([{"text": "good", "label": 2}, {"text": "bad", "label": 0}] * 2, 1, "has label 2"),
-], ids=["no-text-column", "label-outside-0-1"])
+    ([{"text": "good", "label": "pos"}] * 4 + [{"text": "so-so", "label": "mixed"}], 1,
+     "class 'mixed' has no examples in the validation part"),
+    ([{"text": "good", "label": 1}, {"text": "bad", "label": 1.5}] * 2, 1, "labels must be integers or class names (text)"),
+], ids=["no-text-column", "a-class-too-small-to-validate-on", "a-fraction"])
 def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -451,10 +451,13 @@ def test_missing_columns_are_named(tmp_path, csv_rows):
     assert "'text'" in str(e.value) and "'label'" in str(e.value) and "review" in str(e.value)
 
 
-def test_out_of_range_label_is_refused(tmp_path, csv_rows):
-    csv_rows[3]["label"] = 2
-    with pytest.raises(TfmError, match="label 2"):
-        load_splits(cfg_for(write_csv(tmp_path / "r.csv", csv_rows)), ("train",))
+def test_a_label_the_train_split_lacks_is_refused(tmp_path, csv_rows):
+    a = write_csv(tmp_path / "a.csv", csv_rows[:8])
+    csv_rows[9]["label"] = 2
+    b = write_csv(tmp_path / "b.csv", csv_rows[8:])
+    with pytest.raises(TfmError, match=r"split 'test' of .* has label '2', which is not one of the classes trained on "
+                                       r"\(neg, pos\)"):
+        load_splits(cfg_for(f"train={a},test={b}"), ("train", "test"))
 
 
 # --------------------------------------------------------------------------- the pipeline and its cache
@@ -520,7 +523,8 @@ def test_a_named_validation_split_the_dataset_lacks_is_refused(data_cfg):
 def test_an_unusable_validation_split_says_how_to_do_without(with_validation_dir, data_cfg):
     write_jsonl(with_validation_dir / "validation.jsonl", [{"text": "a", "label": -1}, {"text": "b", "label": 0}])
     cfg = dataclasses.replace(data_cfg, source=str(with_validation_dir))
-    with pytest.raises(TfmError, match=r"has label -1; .* \(or set data.val_split = \"\" to validate on part of train"):
+    with pytest.raises(TfmError, match=r"has label '-1', which is not one of .* \(or set data.val_split = \"\" to "
+                                       "validate on part of train"):
         prepare_train_data(cfg, seed=0)
     assert len(prepare_train_data(dataclasses.replace(cfg, val_split=""), seed=0).val) == 40
 
@@ -529,8 +533,8 @@ def test_an_empty_validation_split_is_refused(data_cfg, monkeypatch):
     # datasets itself refuses an empty split file; a split emptied any other way must not yield NaN metrics
     real = data_mod.load_splits
 
-    def emptied(cfg, splits, optional=()):
-        raw, labels = real(cfg, splits)
+    def emptied(cfg, splits, optional=(), label_names=None):
+        raw, labels = real(cfg, splits, label_names=label_names)
         return {**raw, "validation": raw["train"].subset(np.arange(0))}, labels
 
     monkeypatch.setattr(data_mod, "load_splits", emptied)
@@ -567,7 +571,7 @@ def test_max_train_samples_subsamples(data_cfg):
 def test_a_single_label_is_refused(tmp_path):
     rows = [{"text": f"text number {i}", "label": 0} for i in range(20)]
     write_jsonl(tmp_path / "train.jsonl", rows)
-    with pytest.raises(TfmError, match="only one label"):
+    with pytest.raises(TfmError, match=r"has only one class \(0\); a classifier needs examples of at least two"):
         prepare_train_data(DataConfig(source=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "c")), seed=0)
 
 

@@ -12,19 +12,28 @@ from transformer_cli.evaluate import evaluate_checkpoint, metrics_from_confusion
 
 @pytest.mark.parametrize(("tn", "fp", "fn", "tp"), [(50, 10, 5, 35), (3, 0, 0, 7), (1, 2, 3, 4)])
 def test_metrics_from_confusion(tn, fp, fn, tp):
-    m = metrics_from_confusion(np.array([[tn, fp], [fn, tp]], dtype=float))
+    m = metrics_from_confusion(np.array([[tn, fp], [fn, tp]], dtype=float), ["neg", "pos"])
     precision, recall = tp / (tp + fp), tp / (tp + fn)
+    pos_f1 = 2 * precision * recall / (precision + recall)
     assert m["accuracy"] == pytest.approx((tp + tn) / (tn + fp + fn + tp))
-    assert m["precision"] == pytest.approx(precision)
-    assert m["recall"] == pytest.approx(recall)
-    assert m["f1"] == pytest.approx(2 * precision * recall / (precision + recall))
+    assert m["per_class"]["pos"] == pytest.approx({"precision": precision, "recall": recall, "f1": pos_f1,
+                                                   "support": fn + tp})
+    neg_precision, neg_recall = tn / (tn + fn), tn / (tn + fp)  # neg's figures: the classes swapped
+    neg_f1 = 2 * neg_precision * neg_recall / (neg_precision + neg_recall)
+    assert m["per_class"]["neg"] == pytest.approx({"precision": neg_precision, "recall": neg_recall, "f1": neg_f1,
+                                                   "support": tn + fp})
+    assert m["macro_f1"] == pytest.approx((pos_f1 + neg_f1) / 2)
     assert m["confusion_matrix"] == [[tn, fp], [fn, tp]]
+    assert m["labels"] == ["neg", "pos"]
     assert m["num_examples"] == tn + fp + fn + tp
 
 
 def test_metrics_without_positive_predictions_are_zero_not_nan():
     m = metrics_from_confusion(np.array([[10.0, 0.0], [5.0, 0.0]]))
-    assert (m["precision"], m["recall"], m["f1"]) == (0.0, 0.0, 0.0)
+    assert m["labels"] == ["0", "1"]  # without names: the class ids
+    assert m["per_class"]["1"] == {"precision": 0.0, "recall": 0.0, "f1": 0.0, "support": 5}
+    assert m["per_class"]["0"]["f1"] == pytest.approx(2 * (10 / 15) / (10 / 15 + 1))
+    assert m["macro_f1"] == pytest.approx(m["per_class"]["0"]["f1"] / 2)
     assert m["accuracy"] == pytest.approx(10 / 15)
 
 

@@ -185,7 +185,7 @@ def test_evaluate_model_equals_the_reference_metrics(batch_size, max_tokens, mon
     got = ev.evaluate_model(model, enc, CPU, batch_size, 2)
     assert model.training  # the mode is restored
     want = reference_metrics(model.eval(), enc)
-    for key in ("confusion_matrix", "num_examples", "accuracy", "precision", "recall", "f1"):
+    for key in ("confusion_matrix", "num_examples", "accuracy", "macro_f1", "per_class", "labels"):
         assert got[key] == want[key], key
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
 
@@ -223,7 +223,8 @@ def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
     want = reference_metrics(model, Encoded(ids, offsets, np.array([r["label"] for r in test_rows])))
     got = ev.evaluate_checkpoint(trained_dir, device="cpu")
     assert got["confusion_matrix"] == want["confusion_matrix"]
-    assert got["accuracy"] == want["accuracy"] and got["f1"] == want["f1"]
+    assert got["accuracy"] == want["accuracy"] and got["macro_f1"] == want["macro_f1"]
+    assert list(got["per_class"].values()) == list(want["per_class"].values())  # named neg, pos: ids 0, 1
     assert math.isclose(got["loss"], want["loss"], rel_tol=1e-6)
 
 

@@ -685,8 +685,8 @@ def bad_datasets(tmp_path):
     return {
         "missing": (tmp_path / "no" / "such" / "data", 2, "does not exist"),
         "no-text-column": (write_dataset(tmp_path / "nt", rows), 1, "no column 'text'"),
-        "bad-labels": (write_dataset(tmp_path / "bl", [{"text": r["review"], "label": 2 * r["label"]} for r in rows]),
-                       1, "has label 2"),
+        "bad-labels": (write_dataset(tmp_path / "bl", [{"text": r["review"], "label": r["label"] + 0.5} for r in rows]),
+                       1, "has label 0.5; labels must be integers or class names"),
     }
 
 

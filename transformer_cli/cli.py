@@ -25,10 +25,14 @@ class _Tfm(TyperGroup):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> NoReturn:
         """Parse the command line and run the command. Whatever either raises becomes one `tfm: error: ...`
-        line on stderr and the exit code; click's own usage errors too, instead of its boxed message."""
+        line on stderr and the exit code; click's own usage errors too, instead of its boxed message. A
+        shell's completion request (env _TFM_COMPLETE, set by the script `--install-completion` installs)
+        is answered first, as typer's own `main` would."""
+        prog_name = prog_name or "tfm"
+        self._main_shell_completion(extra, prog_name, extra.pop("complete_var", None))  # exits if it was one
         click_exception, usage_error, no_args = _click_errors()
         try:
-            with self.make_context(prog_name or "tfm", sys.argv[1:] if args is None else list(args), **extra) as ctx:
+            with self.make_context(prog_name, sys.argv[1:] if args is None else list(args), **extra) as ctx:
                 self.invoke(ctx)
         except typer.Exit as e:  # --help, --version
             sys.exit(e.exit_code)
@@ -85,7 +89,6 @@ app = typer.Typer(
     cls=_Tfm,
     help="Train, evaluate and run a from-scratch transformer sentiment classifier on IMDB reviews.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
 )
 
@@ -182,8 +185,12 @@ def train(
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
         return
-    val = metrics.get("val", {})
-    line = f"done: best val accuracy {val.get('accuracy', float('nan')):.4f} at step {metrics['best_step']}"
+    val, metric = metrics.get("val", {}), metrics["select_metric"]
+    line = f"done: best val {metric} {val.get(metric, float('nan')):.4f} at step {metrics['best_step']}"
+    if metric != "accuracy":
+        line += f" (accuracy {val.get('accuracy', float('nan')):.4f})"
+    if metrics["stopped_early"]:
+        line += f", stopped early at step {metrics['steps']}"
     if "test" in metrics:
         line += f", test accuracy {metrics['test']['accuracy']:.4f}"
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
@@ -319,7 +326,8 @@ def evaluate(
     batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
     precision: InferPrecision = None,
 ) -> None:
-    """Accuracy, precision, recall, F1, loss and confusion matrix of a trained model on a split."""
+    """Accuracy, macro-F1, loss, each class's precision, recall and F1, and the confusion matrix of a trained
+    model on a split."""
     from transformer_cli.evaluate import evaluate_checkpoint  # imports torch
 
     m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
@@ -327,13 +335,23 @@ def evaluate(
 
 
 def evaluation_report(m: dict) -> str:
-    """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of labels."""
+    """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of classes: the
+    overall figures, a table of each class's, and the confusion matrix (rows: true, columns: predicted)."""
     lines = [f"{m['data']} [{m['split']}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s"]
-    lines += [f"  {key:<10} {m[key]:.4f}" for key in ("accuracy", "precision", "recall", "f1", "loss")]
+    lines += [f"  {title:<10} {m[key]:.4f}" for title, key in
+              (("accuracy", "accuracy"), ("macro F1", "macro_f1"), ("loss", "loss"))]
     labels = m["labels"]
-    rows = [f"true {name}: " + " / ".join(f"{n} {p}" for n, p in zip(row, labels))
-            for name, row in zip(labels, m["confusion_matrix"])]
-    lines.append("  confusion  " + ";  ".join(rows))
+    width = max(len("class"), *map(len, labels))
+    lines.append(f"  {'class':<{width}}  precision  recall      f1  support")
+    for name in labels:
+        c = m["per_class"][name]
+        lines.append(f"  {name:<{width}}  {c['precision']:9.4f}  {c['recall']:6.4f}  {c['f1']:6.4f}  {c['support']:7d}")
+    cells = [str(n) for row in m["confusion_matrix"] for n in row]
+    cell = max(map(len, [*labels, *cells]))
+    lines.append("  confusion (rows: true, columns: predicted)")
+    lines.append(f"  {'':<{width}}  " + "  ".join(f"{name:>{cell}}" for name in labels))
+    for name, row in zip(labels, m["confusion_matrix"]):
+        lines.append(f"  {name:<{width}}  " + "  ".join(f"{n:>{cell}}" for n in row))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from transformer_cli.errors import TfmError, UsageError
 MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers library aborts on huge ones)
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # what train.precision and --precision accept
+SelectMetric = Literal["accuracy", "macro_f1", "loss"]  # validation metrics train.select_metric may name
 
 
 class _Section:
@@ -204,6 +205,8 @@ class TrainConfig(_Section):
     compile: bool = False  # torch.compile the model (for GPUs: on CPUs its steps were slower than eager's)
     log_every: int = 20  # steps between train/* scalars
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
+    select_metric: SelectMetric | None = None  # picks the saved model; unset: accuracy (train), loss (pretrain)
+    patience: int = 0  # stop after this many validation passes without a better select_metric; 0: never early
     eval_batch_size: int = 256
     test_at_end: bool = False  # evaluate the best model on the test split after training
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
@@ -222,6 +225,8 @@ class TrainConfig(_Section):
         for name in positive:
             if getattr(self, name) < 1:
                 self._fail(name, "must be at least 1")
+        if self.patience < 0:
+            self._fail("patience", "must be at least 0 (0: never stop early)")
         if self.eval_every is not None and self.eval_every < 0:
             self._fail("eval_every", "must be at least 0 (0: validate at epoch ends only)")
         if self.checkpoint_every is not None and self.checkpoint_every < 0:

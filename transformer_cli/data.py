@@ -25,7 +25,7 @@ from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, cache_
 
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
-DEFAULT_LABELS = ["neg", "pos"]
+DEFAULT_LABELS = ["neg", "pos"]  # the names of integer labels 0 and 1 when a dataset has no others (IMDB's)
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
@@ -85,26 +85,30 @@ class Encoded:
 # --------------------------------------------------------------------------- loading
 
 
-def load_splits(cfg: DataConfig, splits: tuple[str, ...],
-                optional: tuple[str, ...] = ()) -> tuple[dict[str, RawSplit], list[str]]:
-    """The requested splits of `cfg.source`, and those of the `optional` ones it has; the label names."""
+def load_splits(cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
+                label_names: list[str] | None = None) -> tuple[dict[str, RawSplit], list[str]]:
+    """The requested splits of `cfg.source`, and those of the `optional` ones it has; the class names.
+
+    Labels become ids into `label_names` (a trained model's classes) when given, else into the classes
+    of the first split loaded (see label_names_of); a label outside them is refused.
+    """
     source = cfg.source
     path = Path(source)
     files = named_files(source)
     if files is not None:
-        return _from_hf_files(files, cfg, splits, optional)
+        return _from_hf_files(files, cfg, splits, optional, label_names)
     if path.is_file():
         if source.endswith((".tar.gz", ".tgz")):
-            return _from_acl_tarball(path, splits)
+            return _with_names(_from_acl_tarball(path, splits), label_names, source)
         raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
     if path.is_dir():
         acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
         if (acl / "train" / "pos").is_dir():
-            return _from_acl_folder(acl, splits)  # aclImdb has train and test only
-        return _from_hf(source, cfg, splits, optional)
+            return _with_names(_from_acl_folder(acl, splits), label_names, source)  # aclImdb has train and test only
+        return _from_hf(source, cfg, splits, optional, label_names)
     if looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
-    return _from_hf(source, cfg, splits, optional)
+    return _from_hf(source, cfg, splits, optional, label_names)
 
 
 def local_paths(source: str) -> list[str]:
@@ -120,12 +124,14 @@ def looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.lower().endswith(suffixes)
 
 
-def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
-    return _from_dataset_dict(open_dataset(source), cfg, splits, source, optional)
+def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
+             label_names: list[str] | None = None):
+    return _from_dataset_dict(open_dataset(source), cfg, splits, source, optional, label_names)
 
 
-def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = ()):
-    return _from_dataset_dict(open_dataset_files(files), cfg, splits, ", ".join(files.values()), optional)
+def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
+                   label_names: list[str] | None = None):
+    return _from_dataset_dict(open_dataset_files(files), cfg, splits, ", ".join(files.values()), optional, label_names)
 
 
 def open_dataset(source: str):
@@ -176,9 +182,9 @@ def named_files(source: str) -> dict[str, str] | None:
     return None
 
 
-def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, optional: tuple[str, ...] = ()):
+def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, optional: tuple[str, ...] = (),
+                       label_names: list[str] | None = None):
     out: dict[str, RawSplit] = {}
-    label_names = DEFAULT_LABELS
     for split in (*splits, *(s for s in optional if s in ds and s not in splits)):
         if split not in ds:
             raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})")
@@ -191,7 +197,8 @@ def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, 
     return out, label_names
 
 
-def _one_split(d, cfg: DataConfig, split: str, name: str, label_names: list[str]) -> tuple[RawSplit, list[str]]:
+def _one_split(d, cfg: DataConfig, split: str, name: str,
+               label_names: list[str] | None) -> tuple[RawSplit, list[str]]:
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in d.column_names]
     if missing:
         raise TfmError(
@@ -199,30 +206,95 @@ def _one_split(d, cfg: DataConfig, split: str, name: str, label_names: list[str]
             f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column"
         )
     feature = d.features[cfg.label_column]
-    if hasattr(feature, "names"):
-        label_names = list(feature.names)
+    class_names = list(feature.names) if hasattr(feature, "names") else None  # a datasets ClassLabel
     columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
     texts = columns[cfg.text_column]
     if any(not isinstance(t, str) for t in texts):
         raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
-    return RawSplit(texts, _check_labels(columns[cfg.label_column], len(label_names), split, name)), label_names
+    labels, label_names = label_ids(columns[cfg.label_column], class_names, label_names, f"split '{split}' of '{name}'")
+    return RawSplit(texts, labels), label_names
 
 
-def _check_labels(values, num_labels: int, split: str, name: str) -> np.ndarray:
-    try:
-        labels = np.asarray(values)
-        ok = labels.ndim == 1 and labels.dtype.kind in "iub"
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise TfmError(f"labels of split '{split}' of '{name}' must be integers 0..{num_labels - 1}")
-    labels = labels.astype(np.int64)
-    bad = labels[(labels < 0) | (labels >= num_labels)]
-    if bad.size:
-        raise TfmError(
-            f"split '{split}' of '{name}' has label {bad[0]}; labels must be in 0..{num_labels - 1} (0 = neg, 1 = pos)"
-        )
-    return labels
+# --------------------------------------------------------------------------- labels
+
+
+def label_ids(values: list, class_names: list[str] | None, label_names: list[str] | None,
+              where: str) -> tuple[np.ndarray, list[str]]:
+    """((N,) int64 class ids, the class names): `values` (integers, or names as text; a ClassLabel's
+    integers index `class_names`) as ids into `label_names`, or, when that is None, into the classes
+    they define (a ClassLabel's names, else label_names_of the distinct values)."""
+    distinct, inverse = _distinct_labels(values, where)
+    if class_names is not None:
+        bad = [v for v in distinct.tolist() if not 0 <= v < len(class_names)]
+        if bad:
+            raise TfmError(f"{where} has label {bad[0]}; its ClassLabel's labels are 0..{len(class_names) - 1} "
+                           f"({', '.join(class_names)})")
+        names = [class_names[v] for v in distinct.tolist()]
+        label_names = list(class_names) if label_names is None else label_names
+    else:
+        label_names = label_names_of(distinct.tolist()) if label_names is None else label_names
+        names = [value_name(v, label_names) for v in distinct.tolist()]
+    index = {n: i for i, n in enumerate(label_names)}
+    unknown = [n for n in names if n not in index]
+    if unknown:
+        raise TfmError(f"{where} has label '{unknown[0]}', which is not one of the classes trained on "
+                       f"({', '.join(label_names)}); leave such examples out, or train on examples of every class")
+    return np.array([index[n] for n in names], dtype=np.int64)[inverse], label_names
+
+
+def label_names_of(values: list) -> list[str]:
+    """The class names of a dataset's distinct label values, sorted, in id order: integers sorted
+    numerically and named by their digits, except that 0 and 1 alone are IMDB's `neg` and `pos`;
+    names sorted as text."""
+    values = sorted(values)
+    if values == [0, 1]:
+        return list(DEFAULT_LABELS)
+    return [str(v) for v in values]
+
+
+def value_name(value: int | str, label_names: list[str]) -> str:
+    """The class name of one label value: integers 0 and 1 are `neg` and `pos` where those are the
+    classes (see label_names_of), other integers their digits; text is the name itself."""
+    if isinstance(value, int) and label_names == DEFAULT_LABELS and value in (0, 1):
+        return DEFAULT_LABELS[value]
+    return str(value)
+
+
+def _distinct_labels(values: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct label values, sorted, as an int64 or text array; (N,) each example's index into them)."""
+    for i, v in enumerate(values):
+        if v is None or (isinstance(v, str) and not v.strip()):
+            raise TfmError(f"{where} has an empty label (example {i + 1}); every example needs one")
+    if all(isinstance(v, (int, bool, np.integer)) for v in values):
+        array = np.asarray(values, dtype=np.int64)
+    elif all(isinstance(v, str) for v in values):
+        array = np.asarray(values, dtype=str)
+    else:
+        text = isinstance(values[0], str)
+        odd = next(v for v in values if isinstance(v, str) != text or not isinstance(v, (int, np.integer, str)))
+        raise TfmError(f"{where} has label {odd!r}; labels must be integers or class names (text), "
+                       "one kind throughout")
+    distinct, inverse = np.unique(array, return_inverse=True)
+    return distinct, inverse.reshape(-1)
+
+
+def _with_names(loaded: tuple[dict[str, RawSplit], list[str]], label_names: list[str] | None, source: str):
+    """aclImdb's splits (ids of neg and pos) as ids into `label_names`, when given."""
+    raw, names = loaded
+    if label_names is None or label_names == names:
+        return raw, names
+    for split, r in raw.items():
+        ids, _ = label_ids(r.labels.tolist(), names, label_names, f"split '{split}' of '{source}'")
+        raw[split] = RawSplit(r.texts, ids)
+    return raw, label_names
+
+
+def check_classes(labels: np.ndarray, label_names: list[str], where: str, hint: str) -> None:
+    """Every class has an example in `labels` (ids), else one error line naming the first that has none."""
+    counts = np.bincount(labels, minlength=len(label_names))
+    empty = [name for name, n in zip(label_names, counts) if n == 0]
+    if empty:
+        raise TfmError(f"class '{empty[0]}' has no examples in {where}; {hint}")
 
 
 _ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
@@ -269,7 +341,8 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
 
     With block > 1, each label's examples (in dataset order) are cut into runs of `block` and whole
     runs are held out. A dataset that keeps related examples together (IMDB keeps each movie's
-    reviews together) then validates on examples unlike those it trains on.
+    reviews together) then validates on examples unlike those it trains on. Every label with at
+    least two runs has one in each part, however small `val_size` or large the label.
     """
     rng = np.random.default_rng(seed)
     train, val = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
@@ -278,6 +351,8 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
         runs = [idx[i : i + block] for i in range(0, len(idx), block)]
         order = rng.permutation(len(runs))
         n_val = int(round(len(runs) * val_size))
+        if len(runs) >= 2:
+            n_val = min(max(n_val, 1), len(runs) - 1)
         val += [runs[i] for i in order[:n_val]]
         train += [runs[i] for i in order[n_val:]]
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(val))
@@ -541,20 +616,23 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(idx)[:n])
 
 
-def train_val_splits(cfg: DataConfig, seed: int,
-                     needed: tuple[str, ...] = ()) -> tuple[RawSplit, RawSplit, list[str], str]:
-    """(train, validation, label names, the validation's split name): the dataset's `data.val_split` if
+def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
+                     label_names: list[str] | None = None) -> tuple[RawSplit, RawSplit, list[str], str]:
+    """(train, validation, class names, the validation's split name): the dataset's `data.val_split` if
     it has one, else a stratified, seeded part held out of train (name ""). The `needed` splits (e.g.
-    test, for later) must exist too."""
-    raw, label_names = load_splits(cfg, ("train", *needed), (cfg.val_split,) if cfg.val_split else ())
+    test, for later) must exist too. The classes are `label_names` if given (a trained model's), else
+    those of train; each must have examples in both train and validation."""
+    optional = (cfg.val_split,) if cfg.val_split else ()
+    raw, label_names = load_splits(cfg, ("train", *needed), optional, label_names)
     if cfg.val_split and cfg.val_split not in raw and cfg.val_split != DEFAULT_VAL_SPLIT:
         raise UsageError(f"data.val_split = '{cfg.val_split}': '{cfg.source}' has no such split; name one it has, "
                          'or set data.val_split = "" to hold out part of train')
     full = raw["train"]
     if len(full) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")
-    if len(np.unique(full.labels)) < 2:
-        raise TfmError(f"the train split of '{cfg.source}' has only one label; need examples of both classes")
+    if len(label_names) < 2:
+        raise TfmError(f"the train split of '{cfg.source}' has only one class ({', '.join(label_names)}); "
+                       "a classifier needs examples of at least two")
     val_split = cfg.val_split if cfg.val_split in raw else ""
     if val_split:
         val = raw[val_split]
@@ -562,15 +640,25 @@ def train_val_splits(cfg: DataConfig, seed: int,
             raise TfmError(f"the {cfg.val_split} split of '{cfg.source}' is empty; fill it, or set data.val_split = "
                            '"" to hold out part of train')
         train_idx, val_idx = np.arange(len(full)), np.arange(len(val))
+        val_hint = f"add some to the '{val_split}' split, or set data.val_split = \"\" to hold out part of train"
     else:
         val = full
+        check_classes(full.labels, label_names, f"the train split of '{cfg.source}'",
+                      "every class needs training examples")
         train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed, cfg.val_block)
         if len(val_idx) == 0 or len(train_idx) == 0:
             raise TfmError(f"data.val_size = {cfg.val_size} (data.val_block = {cfg.val_block}) leaves an empty train "
                            f"or validation split of {len(full)} examples; change either")
+        val_hint = (f"holding some out of train for validation needs at least {2 * cfg.val_block} of each class "
+                    f"(data.val_block = {cfg.val_block}); add examples")
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)
-    return full.subset(train_idx), val.subset(val_idx), label_names, val_split
+    train, val = full.subset(train_idx), val.subset(val_idx)
+    check_classes(train.labels, label_names, f"the training part of '{cfg.source}'",
+                  "every class needs training examples (raise data.max_train_samples, or add examples)")
+    subset = " or raise data.max_eval_samples" if cfg.max_eval_samples is not None else ""
+    check_classes(val.labels, label_names, f"the validation part of '{cfg.source}'", val_hint + subset)
+    return train, val, label_names, val_split
 
 
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
@@ -589,14 +677,15 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
 
 
 def prepare_eval_data(cfg: DataConfig, tokenizer, split: str, max_samples: int | None,
-                      seed: int | None = None) -> Encoded:
-    """A split of `cfg.source`, encoded. VALIDATION_SPLIT is what a run with `seed` validated on."""
+                      seed: int | None = None, label_names: list[str] | None = None) -> Encoded:
+    """A split of `cfg.source`, encoded, its labels as ids into `label_names` (the model's classes;
+    default: the split's own). VALIDATION_SPLIT is what a run with `seed` validated on."""
     if split == VALIDATION_SPLIT:
         if seed is None:
             raise ValueError("the validation split is drawn with the run's seed; pass it")
-        _, data, _, _ = train_val_splits(cfg, seed)
+        _, data, _, _ = train_val_splits(cfg, seed, label_names=label_names)
     else:
-        raw, _ = load_splits(cfg, (split,))
+        raw, _ = load_splits(cfg, (split,), label_names=label_names)
         data = raw[split]
     if max_samples is not None:
         data = data.subset(sample_indices(np.arange(len(data)), max_samples, seed=EVAL_SUBSET_SEED))

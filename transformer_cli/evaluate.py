@@ -110,8 +110,9 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int) -> dict:
-    """Loss, accuracy, precision/recall/F1 (of the last label, "pos") and the confusion matrix.
+def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
+                   label_names: list[str] | None = None) -> dict:
+    """Loss, and metrics_from_confusion's accuracy, macro-F1, per-class figures and confusion matrix.
 
     Sums are reduced over ranks, so a distributed evaluation equals a single-process one.
     """
@@ -131,27 +132,43 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     elapsed = time.perf_counter() - t0
     reduced = rt.all_sum([loss_sum, *confusion.ravel().tolist()])
     loss_sum, confusion = reduced[0], np.array(reduced[1:]).reshape(num_labels, num_labels)
-    out = metrics_from_confusion(confusion)
+    out = metrics_from_confusion(confusion, label_names)
     out["loss"] = loss_sum / max(1, int(confusion.sum()))
     out["examples_per_sec"] = len(enc) / elapsed if elapsed > 0 else 0.0
     return out
 
 
-def metrics_from_confusion(confusion: np.ndarray) -> dict:
+def metrics_from_confusion(confusion: np.ndarray, label_names: list[str] | None = None) -> dict:
+    """Accuracy, macro-F1, each class's precision, recall, F1 and support (under its name; default
+    its id), and the confusion matrix (rows: true class, columns: predicted) with its `labels`.
+
+    A ratio of zero counts is 0, never NaN. Macro-F1 is the mean F1 of the classes that occur in
+    the split or are predicted (a class that is neither has no F1 to average).
+    """
+    names = list(label_names) if label_names is not None else [str(i) for i in range(len(confusion))]
+    confusion = np.asarray(confusion, dtype=np.float64)
     n = confusion.sum()
-    tp = confusion[-1, -1]
-    pred_pos, true_pos = confusion[:, -1].sum(), confusion[-1, :].sum()
-    precision = tp / pred_pos if pred_pos else 0.0
-    recall = tp / true_pos if true_pos else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    hits, predicted, support = np.diag(confusion), confusion.sum(axis=0), confusion.sum(axis=1)
+    precision = _ratio(hits, predicted)
+    recall = _ratio(hits, support)
+    f1 = _ratio(2 * precision * recall, precision + recall)
+    seen = (predicted + support) > 0
     return {
         "accuracy": float(np.trace(confusion) / n) if n else 0.0,
-        "precision": float(precision),
-        "recall": float(recall),
-        "f1": float(f1),
+        "macro_f1": float(f1[seen].mean()) if seen.any() else 0.0,
+        "per_class": {
+            name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(s)}
+            for name, p, r, f, s in zip(names, precision, recall, f1, support)
+        },
         "confusion_matrix": confusion.astype(int).tolist(),
+        "labels": names,
         "num_examples": int(n),
     }
+
+
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a / b elementwise, 0 where b is 0."""
+    return np.divide(a, b, out=np.zeros_like(a, dtype=np.float64), where=b > 0)
 
 
 def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncation: str,
@@ -246,9 +263,9 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
         raise UsageError(f"the run's dataset '{src}' (its data.source, relative to where `tfm train` ran) "
                          "is not found from here; pass --data")
     t0 = time.perf_counter()
-    enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed)
+    enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed, labels)
     prep = time.perf_counter() - t0
-    metrics = evaluate_model(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels))
-    metrics.update({"split": split, "data": cfg.data.source, "labels": labels, "data_prep_sec": prep,
-                    "compute_dtype": rt.precision})  # not "precision": that is the metric
+    metrics = evaluate_model(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels)
+    metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep,
+                    "compute_dtype": rt.precision})  # not "precision": that is a class's metric
     return metrics

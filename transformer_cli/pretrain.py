@@ -52,11 +52,13 @@ from transformer_cli.train import (
     on_every_rank,
     run_metrics,
     run_to_end,
+    selection_score,
 )
 
 MASK_ID = SPECIAL_TOKENS.index("[MASK]")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
 CORPUS_VERSION = 1  # in the token file's cache key
+PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be here (None: the loss)
 
 
 # --------------------------------------------------------------------------- text
@@ -222,8 +224,10 @@ class MaskedLanguageModelling:
 
     prefix = "pretrain"
 
-    def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, eval_batch_size: int):
+    def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, eval_batch_size: int,
+                 select_metric: str = "loss"):
         self.texts, self.train_idx = corpus.texts, corpus.train_idx
+        self.select_metric = select_metric
         self.val = corpus.texts.subset(corpus.val_idx)
         self.mask_prob, self.vocab_size, self.eval_batch_size = pc.mask_prob, vocab_size, eval_batch_size
         self.lengths = corpus.texts.lengths[corpus.train_idx]
@@ -267,7 +271,8 @@ class MaskedLanguageModelling:
             finally:
                 model.train(was_training)
         m = {name: total / count for name, total in sums.items()}
-        return {**m, "num_predicted": count}, {f"pretrain_val/{k}": v for k, v in m.items()}, -m["loss"]
+        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
+        return {**m, "num_predicted": count}, tags, selection_score(m, self.select_metric)
 
 
 # --------------------------------------------------------------------------- the command
@@ -279,12 +284,15 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
     if cfg.model.lazy_embeddings:
         raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
+    if tc.select_metric not in PRETRAIN_METRICS:
+        raise UsageError(f"train.select_metric = {tc.select_metric!r}: `tfm pretrain` measures the masked-LM loss and "
+                         "accuracy only; use \"loss\" (its default) or \"accuracy\"")
     resume_dir = begin(tc, rt, resume)
     tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = pretraining_model(cfg, vocab_size)
-    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size)
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size, tc.select_metric or "loss")
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind="pretrained encoder",
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)

@@ -136,6 +136,7 @@ class TrainState:
     best_score: float = -math.inf  # the task's validation score (higher is better) of the saved model
     best_step: int = -1
     best_val: dict = field(default_factory=dict)
+    evals_since_best: int = 0  # validation passes since the score last improved (train.patience counts them)
     bad_steps_in_row: int = 0
     bad_steps_total: int = 0
     train_time_sec: float = 0.0
@@ -233,6 +234,7 @@ class Task(Protocol):
     """What a run learns: its batches, its loss, and how it is validated."""
 
     prefix: str  # TensorBoard tags: PREFIX/loss, PREFIX/lr, ...
+    select_metric: str  # the validation metric whose score selects the saved model
     lengths: np.ndarray  # (N,) tokens of each training example, for the bucketed sampler
     num_train: int
     num_val: int
@@ -244,8 +246,14 @@ class Task(Protocol):
         ...
 
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        """(validation metrics, their TensorBoard scalars, the score that selects the saved model)."""
+        """(validation metrics, their TensorBoard scalars, the score that selects the saved model: its
+        `select_metric`, see selection_score)."""
         ...
+
+
+def selection_score(metrics: dict, metric: str) -> float:
+    """The score, higher is better, that validation `metrics` get by `metric`: the loss negated."""
+    return -metrics["loss"] if metric == "loss" else metrics[metric]
 
 
 class Classification:
@@ -253,9 +261,11 @@ class Classification:
 
     prefix = "train"
 
-    def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int):
+    def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int,
+                 select_metric: str = "accuracy"):
         self.train, self.val, self.labels = train, val, labels
         self.label_smoothing, self.eval_batch_size = label_smoothing, eval_batch_size
+        self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
 
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
@@ -270,8 +280,9 @@ class Classification:
         return objective, {"loss": F.cross_entropy(logits.detach().float(), y)}
 
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        m = evaluate_model(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels))
-        return m, {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/f1": m["f1"]}, m["accuracy"]
+        m = evaluate_model(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels), self.labels)
+        tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"]}
+        return m, tags, selection_score(m, self.select_metric)
 
 
 # --------------------------------------------------------------------------- the step
@@ -374,9 +385,9 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
     tc, st = run.cfg.train, run.state
     sampler = make_sampler(run)
     run.engine.train()
-    while st.step < total and st.epoch < tc.epochs:
+    while st.step < total and st.epoch < tc.epochs and not out_of_patience(tc, st):
         groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
-        while st.batch_in_epoch < len(groups) and st.step < total:
+        while st.batch_in_epoch < len(groups) and st.step < total and not out_of_patience(tc, st):
             lr = lr_at(st.step, total, tc)
             for g in run.optimizer.param_groups:
                 g["lr"] = lr * g.get("lr_scale", 1.0)
@@ -405,9 +416,23 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
                 break  # the next epoch's batches
 
 
+def out_of_patience(tc: TrainConfig, st: TrainState) -> bool:
+    """Whether `train.patience` validation passes in a row brought no better score: training stops."""
+    return tc.patience > 0 and st.evals_since_best >= tc.patience
+
+
+def stop_reason(tc: TrainConfig, st: TrainState, total: int) -> str:
+    """Why a run that ended (after `total` steps at most) stopped: "patience" (early), "max_steps" or "epochs"."""
+    if out_of_patience(tc, st) and st.step < total:
+        return "patience"
+    return "max_steps" if tc.max_steps is not None and st.step >= tc.max_steps else "epochs"
+
+
 def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     """Train to the end: log every `log_every` steps, validate and checkpoint every so many steps and
-    at each epoch's end and the run's, and stop cleanly on SIGINT/SIGTERM."""
+    at each epoch's end and the run's, stop early when `train.patience` validation passes bring no
+    better score (after a checkpoint, so that a resumed run stops there too), and stop cleanly on
+    SIGINT/SIGTERM."""
     tc, rt, st, task = run.cfg.train, run.rt, run.state, run.task
     total = total_steps(run, make_sampler(run))
     if total == 0:
@@ -454,11 +479,16 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     with _untimed(window):
                         validate(run, logger)
                 st.train_time_sec = time.perf_counter() - t_start
-                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 or stopping:
+                if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 or stopping or out_of_patience(tc, st):
                     with _untimed(window):
                         where = save_checkpoint(run)
             if stopping:
                 raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
+            if out_of_patience(tc, st) and st.step < total:
+                metric = run.task.select_metric
+                _say(f"stopped early at step {st.step}: {st.evals_since_best} validation passes without a better "
+                     f"val {metric} (train.patience = {tc.patience}); best at step {st.best_step}",
+                     progress and rt.is_main)
 
 
 class _StopFlag:
@@ -526,13 +556,17 @@ def validate(run: Run, logger: Logger) -> dict:
     score improves."""
     with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
         m, tags, score = run.task.evaluate(run)
-        logger.scalars(run.state.step, tags)
         st = run.state
         weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
         if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
-            st.best_score, st.best_step, st.best_val = score, st.step, m
+            st.best_score, st.best_step, st.best_val, st.evals_since_best = score, st.step, m, 0
             if run.rt.is_main:
                 atomic_write_bytes(run.out / ckpt.MODEL_FILE, ckpt.state_bytes(run.model))
+        else:
+            st.evals_since_best += 1
+        if run.cfg.train.patience:
+            tags = {**tags, f"{run.task.prefix}/evals_since_best": st.evals_since_best}
+        logger.scalars(st.step, tags)
     return m
 
 
@@ -747,7 +781,8 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels))
     if tc.init_from and resume_dir is None:
         load_encoder(model.encoder, Path(tc.init_from))
-    task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size)
+    task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size,
+                          tc.select_metric or "accuracy")
     files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
@@ -789,6 +824,7 @@ def run_metrics(run: Run) -> dict:
         raise TfmError("training diverged: no validation pass had finite weights and loss, so no model was saved; "
                        "lower --lr and train into a new --output-dir")
     seconds = st.train_time_sec
+    reason = stop_reason(run.cfg.train, st, total_steps(run, make_sampler(run)))
     return {
         "best_step": st.best_step,
         "steps": st.step,
@@ -801,6 +837,9 @@ def run_metrics(run: Run) -> dict:
         "device": str(run.rt.device),
         "world_size": run.rt.world_size,
         "num_params": sum(p.numel() for p in run.model.parameters()),
+        "select_metric": run.task.select_metric,
+        "stopped_early": reason == "patience",
+        "stop_reason": reason,
         "val": st.best_val,
     }
 
@@ -810,8 +849,9 @@ def finish(run: Run, logger: Logger) -> dict:
     metrics = run_metrics(run)
     if tc.test_at_end:
         ckpt.load_weights(run.model, run.out / ckpt.MODEL_FILE)
-        test = prepare_eval_data(run.cfg.data, load_tokenizer(run.out), "test", run.cfg.data.max_eval_samples)
-        metrics["test"] = evaluate_model(run.model, test, run.rt, tc.eval_batch_size, len(task.labels))
+        test = prepare_eval_data(run.cfg.data, load_tokenizer(run.out), "test", run.cfg.data.max_eval_samples,
+                                 label_names=task.labels)
+        metrics["test"] = evaluate_model(run.model, test, run.rt, tc.eval_batch_size, len(task.labels), task.labels)
         logger.scalars(st.step, {"test/accuracy": metrics["test"]["accuracy"], "test/loss": metrics["test"]["loss"]})
     hp = {f"{s}.{k}": v for s, sec in run.cfg.to_dict().items() for k, v in sec.items() if v is not None}
     final = {"hparam/val_accuracy": st.best_val.get("accuracy", 0.0), "hparam/val_loss": st.best_val.get("loss", 0.0)}
