@@ -304,6 +304,20 @@ def evaluate(
     typer.echo(json.dumps(m) if as_json else evaluation_report(m))
 
 
+@app.command("export")
+def export_(
+    checkpoint: Ckpt = Path("runs/tfm"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .onnx file to write; NAME.tokenizer.json "
+                                         "goes beside it.")] = Path("model.onnx"),
+) -> None:
+    """Write the model as an ONNX graph (token ids and padding mask -> logits), checked against the model."""
+    from transformer_cli.export import export_onnx  # imports torch
+
+    r = export_onnx(checkpoint, output)
+    typer.echo(f"wrote {r['onnx']} ({r['bytes'] / 1e6:.1f} MB) and {r['tokenizer']}; logits match the model "
+               f"within {r['max_abs_logit_diff']:.1g}")
+
+
 def evaluation_report(m: dict) -> str:
     """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of labels."""
     lines = [f"{m['data']} [{m['split']}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s"]
