@@ -318,6 +318,31 @@ def export_(
                f"within {r['max_abs_logit_diff']:.1g}")
 
 
+@app.command()
+def serve(
+    checkpoint: Ckpt = Path("runs/tfm"),
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: a free one, printed).")] = 8000,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Texts in one model call, gathered over concurrent "
+                                                "requests.")] = 64,
+    max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a request waits for others to share its "
+                                               "model call.")] = 2.0,
+    max_texts: Annotated[int, typer.Option(min=1, help="Texts in one request.")] = 64,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="Size of one request's body.")] = 1_000_000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+    device: Device = "auto",
+    precision: InferPrecision = None,
+) -> None:
+    """Serve the model over HTTP: POST /predict {"texts": [...]}, GET /health, GET /metadata (docs/serving.md)."""
+    from transformer_cli.serve import Limits
+    from transformer_cli.serve import serve as run_server  # imports torch
+
+    limits = Limits(max_batch_size, max_wait_ms, max_texts, max_body_bytes, batch_size)
+    run_server(checkpoint, host, port, limits, device, precision,
+               on_ready=lambda url: typer.echo(f"tfm: serving {checkpoint} on {url}; stop with Ctrl-C or SIGTERM",
+                                               err=True))
+
+
 def evaluation_report(m: dict) -> str:
     """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of labels."""
     lines = [f"{m['data']} [{m['split']}]: {m['num_examples']} examples, {m['examples_per_sec']:.0f} examples/s"]
