@@ -4,10 +4,11 @@ FastAPI on uvicorn: both well kept, async (many open requests cost no threads), 
 the request bodies, and uvicorn shuts down gracefully. Routes: POST /predict {"texts": [...]} ->
 {"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
 
-Requests go into a queue; one batcher task takes the first waiting request, adds those that arrive
-within `max_wait_ms` (or are already waiting) up to `max_batch_size` texts, and runs the model on
-them in one worker thread, so the event loop keeps accepting and answering while it runs; then it
-hands each request its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
+Requests go into a queue; one batcher task takes the first waiting request, adds those already
+waiting and, when the last batch held several requests (or it is the first), those that arrive
+within `max_wait_ms`, up to `max_batch_size` texts, and runs the model on them in one worker
+thread, so the event loop keeps accepting and answering while it runs; then it hands each request
+its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
 bad requests (400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many
 texts) and 500 for a failure of the model; the server keeps serving after each. SIGTERM or Ctrl-C
 stops accepting connections, lets the requests in flight finish, and exits 0.
@@ -128,6 +129,7 @@ class Batcher:
         self.held = None  # a request that did not fit into the last batch: it starts the next one
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tfm-model")
         self.in_flight = self.requests = self.batches = 0  # GET /health shows them
+        self.last_size = 2  # requests in the last batch; before the first, as if it had several
 
     async def __call__(self, texts: list[str]) -> list[dict]:
         future = asyncio.get_running_loop().create_future()
@@ -144,12 +146,14 @@ class Batcher:
             await self._run_batch(await self._gather())
 
     async def _gather(self) -> list[tuple]:
-        """The next batch: the first waiting request, and those that come within max_wait_ms and fit."""
+        """The next batch: the first waiting request, and those waiting or coming within max_wait_ms that
+        fit. It waits only after a batch of several requests (and for the first): a lone client's
+        requests are answered at once."""
         loop = asyncio.get_running_loop()
         first = self.held if self.held is not None else await self.queue.get()
         self.held = None
         batch, n = [first], len(first[0])
-        deadline = loop.time() + self.limits.max_wait_ms / 1000
+        deadline = loop.time() + (self.limits.max_wait_ms / 1000 if self.last_size > 1 else 0.0)
         while n < self.limits.max_batch_size:
             item = await self._next(deadline - loop.time())
             if item is None:
@@ -159,6 +163,7 @@ class Batcher:
                 break
             batch.append(item)
             n += len(item[0])
+        self.last_size = len(batch)
         return batch
 
     async def _next(self, timeout: float):
