@@ -2,8 +2,10 @@
 
 Starts `tfm serve -c MODEL` on a free loopback port, then, on --texts reviews drawn (seeded) from a
 split of --data:
-  (a) `tfm evaluate`'s path in this process, before the load: encode_texts + evaluate_model on the
-      same reviews (reviews/s of the model alone, as `tfm evaluate` reports it, and from text);
+  (a) `tfm evaluate`'s path in this process, before (b) and again after it: encode_texts +
+      evaluate_model on the same reviews (reviews/s of the model alone, as `tfm evaluate` reports
+      it, and from text); (b)'s ratios are to the mean of the two, so that a change in what else
+      runs on the machine meanwhile weighs on both sides;
   (b) for each concurrency in --concurrency (default 1, 8, 32): --requests POST /predict requests of
       --texts-per-request reviews each, sent by that many clients on keep-alive connections;
       reviews/s and p50/p99 latency per request;
@@ -27,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -77,15 +80,15 @@ def load_texts(args) -> list[str]:
     return rng.sample(texts, min(args.texts, len(texts)))
 
 
-def evaluate_path(model_dir: Path, texts: list[str]) -> dict:
+def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
     """(a): reviews/s of `tfm evaluate`'s path on `texts`: evaluate_model (the model, as tfm evaluate
     reports it) and encode_texts + evaluate_model (from text, as the server starts)."""
     import numpy as np
 
     from transformer_cli.data import Encoded, encode_texts
-    from transformer_cli.evaluate import evaluate_model, load_for_inference
+    from transformer_cli.evaluate import evaluate_model
 
-    rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, "cpu", None)
+    rt, model, cfg, tokenizer, labels = loaded
     d = cfg.data
     t0 = time.perf_counter()
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
@@ -215,6 +218,11 @@ def malformed_requests(count: int, rng: random.Random) -> list[tuple[bytes, int]
 # --------------------------------------------------------------------------- main
 
 
+def show_evaluate(ev: dict, when: str) -> None:
+    print(f"(a) tfm evaluate's path, {when}: {ev['model_reviews_per_sec']:.0f} reviews/s (model), "
+          f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']})")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     info = bc.hardware_info()
@@ -223,18 +231,26 @@ def main(argv=None) -> int:
     texts = load_texts(args)
     print(f"{len(texts)} reviews of {args.data} [{args.split}]; model {args.checkpoint}")
     results = {"hardware": info, "args": {k: str(v) for k, v in vars(args).items()}}
-    results["evaluate"] = ev = evaluate_path(args.checkpoint, texts)
-    print(f"(a) tfm evaluate's path: {ev['model_reviews_per_sec']:.0f} reviews/s (model), "
-          f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']})")
+    from transformer_cli.evaluate import load_for_inference
+
+    loaded = load_for_inference(args.checkpoint, "cpu", None)  # as tfm evaluate loads it
+    results["evaluate"] = [evaluate_path(loaded, texts)]
+    show_evaluate(results["evaluate"][0], "before the load")
     proc, host, port = start_server(args)
     try:
         results["levels"] = []
         for c in args.levels:
             reqs = good_requests(texts, args.requests, args.texts_per_request, rng)
             s = summarise(asyncio.run(run_load(host, port, reqs, c)), reqs)
-            s.update({"concurrency": c, "ratio_to_evaluate": s["reviews_per_sec"] / ev["model_reviews_per_sec"]})
+            s["concurrency"] = c
             results["levels"].append(s)
-        print(f"\n(b) {args.requests} requests of {args.texts_per_request} review(s) at each concurrency")
+        results["evaluate"].append(evaluate_path(loaded, texts))
+        show_evaluate(results["evaluate"][1], "after (b)")
+        evaluate_rate = statistics.mean(e["model_reviews_per_sec"] for e in results["evaluate"])
+        for s in results["levels"]:
+            s["ratio_to_evaluate"] = s["reviews_per_sec"] / evaluate_rate
+        print(f"\n(b) {args.requests} requests of {args.texts_per_request} review(s) at each concurrency; "
+              f"ratio to (a)'s mean model reviews/s, {evaluate_rate:.0f}")
         bc.print_table(results["levels"], [("concurrency", "clients"), ("reviews_per_sec", "reviews/s"),
                                            ("ratio_to_evaluate", "/ evaluate"), ("p50_ms", "p50 ms"),
                                            ("p99_ms", "p99 ms"), ("good_failed", "failed")],
