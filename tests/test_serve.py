@@ -182,3 +182,15 @@ def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and done.stderr.startswith("tfm: error: ") and len(done.stderr.splitlines()) == 1
     assert "does not exist" in done.stderr and "serving" not in done.stderr
+
+
+@pytest.mark.parametrize(("command", "module", "extra"), [("serve", "uvicorn", "serve"),
+                                                          ("export", "onnxscript", "export")])
+def test_a_missing_extra_is_named_in_one_line(trained_dir, tmp_path, command, module, extra):
+    code = (f"import sys; sys.modules[{module!r}] = None; from transformer_cli.cli import main; "
+            f"sys.argv = ['tfm', {command!r}, '-c', {str(trained_dir)!r}, '-o' if {command!r} == 'export' else "
+            f"'--port', {str(tmp_path / 'm.onnx')!r} if {command!r} == 'export' else '0']; main()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("tfm: error: ") and f"pip install transformer-cli[{extra}]" in done.stderr
