@@ -17,6 +17,8 @@ Targets: (b) at concurrency 32 >= 70% of (a)'s model reviews/s; (c) p99 <= 50 ms
 
 The clients speak HTTP/1.1 over asyncio streams (a few lines here) rather than through a client
 library: they share this machine's CPUs with the server, and a lighter client leaves it more.
+Each load also reports the server process's CPU time per review (/proc), and (a) the CPU time of
+evaluate's path: figures that depend far less than the rates on what else runs on the machine.
 Exit code 1 if any bad request got no 4xx or any good one failed.
 
     python scripts/loadtest_serve.py -c runs/tfm --data ../shared/data/imdb --json loadtest.json
@@ -90,15 +92,17 @@ def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
 
     rt, model, cfg, tokenizer, labels = loaded
     d = cfg.data
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
-    encode_sec = time.perf_counter() - t0
+    encode_sec, encode_cpu = time.perf_counter() - t0, time.process_time() - c0
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
     evaluate_model(model, enc.subset(np.arange(min(64, len(texts)))), rt, cfg.train.eval_batch_size, len(labels))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     evaluate_model(model, enc, rt, cfg.train.eval_batch_size, len(labels))
-    model_sec = time.perf_counter() - t0
+    model_sec, model_cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"reviews": len(texts), "model_reviews_per_sec": len(texts) / model_sec,
+            "model_cpu_ms_per_review": 1000 * model_cpu / len(texts),
+            "from_text_cpu_ms_per_review": 1000 * (model_cpu + encode_cpu) / len(texts),
             "from_text_reviews_per_sec": len(texts) / (model_sec + encode_sec), "encode_sec": encode_sec,
             "compute_dtype": rt.precision}
 
@@ -180,6 +184,24 @@ async def run_load(host: str, port: str, requests: list[tuple[bytes, int]], conc
     return {"wall": time.perf_counter() - t0, "results": results}
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) a process has used so far, from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured_load(host: str, port: str, requests: list[tuple[bytes, int]], concurrency: int, pid: int) -> dict:
+    """run_load's summary, with the server's CPU time per review: a figure that, unlike the rates,
+    depends little on what else runs on the machine."""
+    before = cpu_seconds(pid)
+    summary = summarise(asyncio.run(run_load(host, port, requests, concurrency)), requests)
+    summary["server_cpu_ms_per_review"] = 1000 * (cpu_seconds(pid) - before) / max(1, summary["reviews"])
+    return summary
+
+
 def summarise(load: dict, requests: list[tuple[bytes, int]]) -> dict:
     good = [r for r, (_, n) in zip(load["results"], requests) if n]
     bad = [r for r, (_, n) in zip(load["results"], requests) if not n]
@@ -220,7 +242,8 @@ def malformed_requests(count: int, rng: random.Random) -> list[tuple[bytes, int]
 
 def show_evaluate(ev: dict, when: str) -> None:
     print(f"(a) tfm evaluate's path, {when}: {ev['model_reviews_per_sec']:.0f} reviews/s (model), "
-          f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']})")
+          f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']}); CPU "
+          f"{ev['model_cpu_ms_per_review']:.2f} ms a review (model), {ev['from_text_cpu_ms_per_review']:.2f} from text")
 
 
 def main(argv=None) -> int:
@@ -241,7 +264,7 @@ def main(argv=None) -> int:
         results["levels"] = []
         for c in args.levels:
             reqs = good_requests(texts, args.requests, args.texts_per_request, rng)
-            s = summarise(asyncio.run(run_load(host, port, reqs, c)), reqs)
+            s = measured_load(host, port, reqs, c, proc.pid)
             s["concurrency"] = c
             results["levels"].append(s)
         results["evaluate"].append(evaluate_path(loaded, texts))
@@ -253,17 +276,19 @@ def main(argv=None) -> int:
               f"ratio to (a)'s mean model reviews/s, {evaluate_rate:.0f}")
         bc.print_table(results["levels"], [("concurrency", "clients"), ("reviews_per_sec", "reviews/s"),
                                            ("ratio_to_evaluate", "/ evaluate"), ("p50_ms", "p50 ms"),
-                                           ("p99_ms", "p99 ms"), ("good_failed", "failed")],
-                       digits={"ratio_to_evaluate": 2})
+                                           ("p99_ms", "p99 ms"), ("server_cpu_ms_per_review", "server CPU ms/review"),
+                                           ("good_failed", "failed")],
+                       digits={"ratio_to_evaluate": 2, "server_cpu_ms_per_review": 2})
         words200 = [t for t in texts if 190 <= len(t.split()) <= 210] or texts
         reqs = good_requests(words200, args.latency_requests, 1, rng)
-        results["latency_200_words"] = lat = summarise(asyncio.run(run_load(host, port, reqs, 1)), reqs)
+        results["latency_200_words"] = lat = measured_load(host, port, reqs, 1, proc.pid)
         print(f"\n(c) {len(reqs)} requests of one ~200-word review at concurrency 1 ({len(words200)} such reviews): "
-              f"p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms")
+              f"p50 {lat['p50_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms; server CPU "
+              f"{lat['server_cpu_ms_per_review']:.2f} ms a request")
         top = max(args.levels)
         reqs = good_requests(texts, args.requests, args.texts_per_request, rng) + malformed_requests(args.malformed, rng)
         rng.shuffle(reqs)
-        results["mixed"] = mixed = summarise(asyncio.run(run_load(host, port, reqs, top)), reqs)
+        results["mixed"] = mixed = measured_load(host, port, reqs, top, proc.pid)
         print(f"\n(d) {mixed['requests']} good and {mixed['malformed']} malformed requests at concurrency {top}: "
               f"{mixed['malformed'] - mixed['malformed_without_4xx']} malformed got a 4xx "
               f"(statuses {mixed['malformed_statuses']}), {mixed['good_failed']} good ones failed; "

@@ -17,6 +17,7 @@ stops accepting connections, lets the requests in flight finish, and exits 0.
 import asyncio
 import contextlib
 import dataclasses
+import json
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -210,7 +211,7 @@ class ApiError(Exception):
 def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None):
     """The FastAPI app around a model from load_for_inference."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, ValidationError
     from starlette.exceptions import HTTPException
 
@@ -247,7 +248,7 @@ def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[
                      "POST /predict, GET /health and GET /metadata")
 
     @app.post("/predict")
-    async def predict(request: Request) -> dict:
+    async def predict(request: Request) -> Response:
         body = await read_body(request, limits.max_body_bytes)
         try:
             texts = PredictRequest.model_validate_json(body).texts
@@ -255,9 +256,11 @@ def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[
             raise validation_error(e) from None
         check_texts(texts, limits.max_texts)
         try:
-            return {"predictions": await batcher(texts)}
+            predictions = await batcher(texts)
         except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
             raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
+        # encoded here: a returned dict would be walked by FastAPI's jsonable_encoder first
+        return Response(json.dumps({"predictions": predictions}), media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict:
