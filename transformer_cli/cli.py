@@ -334,6 +334,45 @@ def evaluate(
     typer.echo(json.dumps(m) if as_json else evaluation_report(m))
 
 
+@app.command("export")
+def export_(
+    checkpoint: Ckpt = Path("runs/tfm"),
+    output: Annotated[Path, typer.Option("--output", "-o", help="The .onnx file to write; NAME.tokenizer.json "
+                                         "goes beside it.")] = Path("model.onnx"),
+) -> None:
+    """Write the model as an ONNX graph (token ids and padding mask -> logits), checked against the model."""
+    from transformer_cli.export import export_onnx  # imports torch
+
+    r = export_onnx(checkpoint, output)
+    typer.echo(f"wrote {r['onnx']} ({r['bytes'] / 1e6:.1f} MB) and {r['tokenizer']}; logits match the model "
+               f"within {r['max_abs_logit_diff']:.1g}")
+
+
+@app.command()
+def serve(
+    checkpoint: Ckpt = Path("runs/tfm"),
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: a free one, printed).")] = 8000,
+    max_batch_size: Annotated[int, typer.Option(min=1, help="Texts in one model call, gathered over concurrent "
+                                                "requests.")] = 64,
+    max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a request waits for others to share its "
+                                               "model call.")] = 2.0,
+    max_texts: Annotated[int, typer.Option(min=1, help="Texts in one request.")] = 64,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="Size of one request's body.")] = 1_000_000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+    device: Device = "auto",
+    precision: InferPrecision = None,
+) -> None:
+    """Serve the model over HTTP: POST /predict {"texts": [...]}, GET /health, GET /metadata (docs/serving.md)."""
+    from transformer_cli.serve import Limits
+    from transformer_cli.serve import serve as run_server  # imports torch
+
+    limits = Limits(max_batch_size, max_wait_ms, max_texts, max_body_bytes, batch_size)
+    run_server(checkpoint, host, port, limits, device, precision,
+               on_ready=lambda url: typer.echo(f"tfm: serving {checkpoint} on {url}; stop with Ctrl-C or SIGTERM",
+                                               err=True))
+
+
 def evaluation_report(m: dict) -> str:
     """`tfm evaluate`'s text report of evaluate_checkpoint's metrics, for any number of classes: the
     overall figures, a table of each class's, and the confusion matrix (rows: true, columns: predicted)."""

@@ -237,7 +237,12 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
     """[{"label", "score", "probabilities"}] for each text, from a `tfm train` output directory."""
     if not texts:
         raise TfmError("no input texts; pass TEXT arguments or --file PATH (one review per line)")
-    rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
+    return predict_loaded(load_for_inference(model_dir, device, precision), texts, batch_size)
+
+
+def predict_loaded(loaded: tuple, texts: list[str], batch_size: int = 64) -> list[dict]:
+    """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once)."""
+    rt, model, cfg, tokenizer, labels = loaded
     d = cfg.data
     probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size)
     return [

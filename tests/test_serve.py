@@ -1,0 +1,196 @@
+"""`tfm serve`, a real process on a free loopback port, through a real HTTP client (httpx): its answers
+equal predict_texts', bad requests get a 4xx and leave it serving, concurrent requests get their own
+answers, and SIGTERM lets the requests in flight finish, then exits 0."""
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import REPO
+from test_export import mixed_texts
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from transformer_cli.evaluate import predict_texts
+
+STARTUP_SEC = 120  # a generous bound for a loaded machine; the test never asserts speed
+LIMITS = ["--max-texts", "8", "--max-body-bytes", "4000", "--max-batch-size", "16"]
+
+
+class Server:
+    """`tfm serve` in a subprocess on a free loopback port (--port 0; the URL is read from its stderr)."""
+
+    def __init__(self, model_dir, *options: str):
+        cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(model_dir), "--port", "0", *options]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.proc.stderr], daemon=True).start()
+        self.url = self._wait_for_url()
+
+    def _wait_for_url(self) -> str:
+        deadline = time.monotonic() + STARTUP_SEC
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                assert self.proc.poll() is None, f"tfm serve exited {self.proc.returncode}"
+                continue
+            if " on http://" in line:
+                return line.split(" on ", 1)[1].split(";")[0]
+        raise AssertionError("tfm serve did not start")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(trained_dir):
+    s = Server(trained_dir, *LIMITS)
+    yield s
+    assert s.stop() == 0
+
+
+def post(url, body, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/predict", timeout=60, **({"json": body} if not isinstance(body, bytes) else
+                                                       {"content": body}), **kwargs)
+
+
+def test_predictions_equal_predict_texts(server, trained_dir):
+    texts = mixed_texts(5, seed=5, long_words=120)  # 8 texts: the most one request may hold
+    r = post(server.url, {"texts": texts})
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"] == predict_texts(trained_dir, texts, "auto")  # one model call: the same batches
+
+
+def test_health_and_metadata(server, trained_dir):
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    meta = httpx.get(f"{server.url}/metadata").json()
+    config = json.loads((trained_dir / "config.json").read_text())
+    assert meta["labels"] == config["labels"]
+    assert meta["model"]["d_model"] == config["model"]["d_model"] and meta["model"]["num_params"] > 0
+    assert meta["data"]["max_length"] == config["data"]["max_length"]
+    assert meta["training_metrics"] == json.loads((trained_dir / "metrics.json").read_text())
+    assert meta["limits"]["max_texts"] == 8
+
+
+@pytest.mark.parametrize(("body", "status", "fragment"), [
+    (b'{"texts": ["good"', 400, "not valid JSON"),
+    (b"", 400, "not valid JSON"),
+    ({"review": ["good"]}, 422, "'texts' is missing"),
+    ({"texts": "good"}, 422, "'texts': Input should be a valid array"),
+    ({"texts": ["good", 3]}, 422, "'texts.1': Input should be a valid string"),
+    ([1, 2], 422, "'body': Input should be an object"),
+    ({"texts": []}, 422, "'texts' is empty"),
+    ({"texts": ["fine", "  "]}, 422, "texts[1] is empty"),
+    ({"texts": ["fine"] * 9}, 422, "at most 8"),
+    ({"texts": ["x" * 5000]}, 413, "over the limit of 4000"),
+])
+def test_a_bad_request_gets_a_4xx_and_the_server_serves_on(server, body, status, fragment):
+    r = post(server.url, body)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]
+    assert post(server.url, {"texts": ["superb"]}).json()["predictions"][0]["label"] in ("neg", "pos")
+
+
+def test_an_oversized_chunked_body_gets_413(server):
+    chunks = (b'{"texts": ["' + b"a" * 1000 for _ in range(5))  # a generator: sent chunked, no Content-Length
+    r = httpx.post(f"{server.url}/predict", content=chunks, timeout=60)
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]
+
+
+def test_unknown_route_gets_a_json_404(server):
+    r = httpx.get(f"{server.url}/predict/now")
+    assert r.status_code == 404 and "POST /predict" in r.json()["error"]
+
+
+async def concurrently(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(bodies))) as client:
+        return await asyncio.gather(*(client.post(f"{url}/predict", json=b) for b in bodies))
+
+
+def requests_of(texts: list[str]) -> list[dict]:
+    """The texts split into requests of 1, 2 or 3 texts."""
+    bodies, i = [], 0
+    while i < len(texts):
+        n = 1 + i % 3
+        bodies.append({"texts": texts[i : i + n]})
+        i += n
+    return bodies
+
+
+def assert_answers(responses, bodies, expected: dict[str, dict]) -> None:
+    for r, body in zip(responses, bodies):
+        assert r.status_code == 200, r.text
+        got = r.json()["predictions"]
+        assert [p["label"] for p in got] == [expected[t]["label"] for t in body["texts"]]
+        for p, t in zip(got, body["texts"]):  # other batches, other padding: equal within float error
+            assert p["probabilities"] == pytest.approx(expected[t]["probabilities"], abs=1e-5)
+
+
+def test_concurrent_requests_are_batched_and_get_their_own_answers(server, trained_dir):
+    texts = list(dict.fromkeys(mixed_texts(40, seed=6, long_words=120)))
+    expected = dict(zip(texts, predict_texts(trained_dir, texts, "auto")))
+    bodies = requests_of(texts)
+    before = httpx.get(f"{server.url}/health").json()
+    responses = asyncio.run(concurrently(server.url, bodies))
+    assert_answers(responses, bodies, expected)
+    after = httpx.get(f"{server.url}/health").json()
+    assert after["requests"] - before["requests"] == len(bodies)
+    assert after["batches"] - before["batches"] < len(bodies)  # some requests shared a model call
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_exits_0(trained_dir):
+    # Requests wait up to 3 s for others to join their batch: in flight for certain when SIGTERM comes.
+    s = Server(trained_dir, "--max-wait-ms", "3000", "--max-batch-size", "64")
+    texts = list(dict.fromkeys(mixed_texts(12, seed=7, long_words=60)))
+    expected = dict(zip(texts, predict_texts(trained_dir, texts, "auto")))
+    bodies = requests_of(texts)
+
+    async def scenario():
+        pending = asyncio.ensure_future(concurrently(s.url, bodies))
+        async with httpx.AsyncClient() as client:
+            while (await client.get(f"{s.url}/health")).json()["in_flight"] < len(bodies):
+                await asyncio.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        return await pending
+
+    try:
+        responses = asyncio.run(scenario())
+        assert_answers(responses, bodies, expected)
+        assert s.proc.wait(timeout=60) == 0
+    finally:
+        s.stop()
+    with pytest.raises(httpx.ConnectError):  # and it has stopped listening
+        httpx.get(f"{s.url}/health")
+
+
+def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):
+    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(tmp_path / "missing"), "--port", "0"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stderr.startswith("tfm: error: ") and len(done.stderr.splitlines()) == 1
+    assert "does not exist" in done.stderr and "serving" not in done.stderr
+
+
+@pytest.mark.parametrize(("command", "module", "extra"), [("serve", "uvicorn", "serve"),
+                                                          ("export", "onnxscript", "export")])
+def test_a_missing_extra_is_named_in_one_line(trained_dir, tmp_path, command, module, extra):
+    code = (f"import sys; sys.modules[{module!r}] = None; from transformer_cli.cli import main; "
+            f"sys.argv = ['tfm', {command!r}, '-c', {str(trained_dir)!r}, '-o' if {command!r} == 'export' else "
+            f"'--port', {str(tmp_path / 'm.onnx')!r} if {command!r} == 'export' else '0']; main()")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("tfm: error: ") and f"pip install transformer-cli[{extra}]" in done.stderr

@@ -1,0 +1,327 @@
+"""`tfm serve`: a trained model behind HTTP, loaded once, with concurrent requests batched together.
+
+FastAPI on uvicorn: both well kept, async (many open requests cost no threads), pydantic validates
+the request bodies, and uvicorn shuts down gracefully. Routes: POST /predict {"texts": [...]} ->
+{"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
+
+Requests go into a queue; one batcher task takes the first waiting request, adds those already
+waiting and, when the last batch held several requests (or it is the first), those that arrive
+within `max_wait_ms`, up to `max_batch_size` texts, and runs the model on them in one worker
+thread, so the event loop keeps accepting and answering while it runs; then it hands each request
+its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
+bad requests (400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many
+texts) and 500 for a failure of the model; the server keeps serving after each. SIGTERM or Ctrl-C
+stops accepting connections, lets the requests in flight finish, and exits 0.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from transformer_cli import __version__
+from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.evaluate import load_for_inference, predict_loaded
+from transformer_cli.fileio import read_json
+
+USAGE = 'send {"texts": ["a review", ...]}'
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """How requests are batched and how large one may be."""
+
+    max_batch_size: int = 64  # texts in one model call, gathered over requests
+    max_wait_ms: float = 2.0  # how long the first request of a batch waits for others to join it
+    max_texts: int = 64  # texts in one request
+    max_body_bytes: int = 1_000_000  # size of one request's body
+    batch_size: int = 64  # texts per forward pass within a model call (as `tfm predict --batch-size`)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value < 0 or (value == 0 and field.name != "max_wait_ms"):
+                raise UsageError(f"--{field.name.replace('_', '-')} must be positive, not {value}")
+
+
+def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
+          device: str = "auto", precision: str | None = None,
+          on_ready: Callable[[str], None] = print) -> None:
+    """Load the model, open the port, serve until SIGTERM or Ctrl-C. `on_ready` gets the URL once the
+    server accepts requests (port 0: a free port, named there)."""
+    _require("fastapi", "uvicorn")
+    import uvicorn
+
+    loaded = load_for_inference(model_dir, device, precision)
+    predict_loaded(loaded, ["warm-up"], limits.batch_size)  # first-call costs (allocator, oneDNN) paid here
+    metadata = model_metadata(model_dir, loaded, limits)
+    sock = bind(host, port)
+    url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+    app = make_app(loaded, metadata, limits, lambda: on_ready(url))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    asyncio.run(server_class()(config).serve(sockets=[sock]))
+
+
+def _require(*modules: str) -> None:
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise TfmError(f"tfm serve needs 'pip install transformer-cli[serve]' ({e})") from None
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port, or a one-line error saying why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise UsageError(f"--host '{host}' is not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise TfmError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
+    sock.setblocking(False)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def model_metadata(model_dir: str | Path, loaded: tuple, limits: Limits) -> dict:
+    """GET /metadata: labels, the model's sizes and the training run's metrics.json."""
+    rt, model, cfg, _, labels = loaded
+    metrics_path = Path(model_dir) / "metrics.json"
+    try:
+        metrics = read_json(metrics_path, "metrics") if metrics_path.is_file() else None
+    except TfmError:
+        metrics = None
+    return {
+        "version": __version__,
+        "labels": labels,
+        "model": {**dataclasses.asdict(cfg.model), "vocab_size": model.encoder.tok_emb.num_embeddings,
+                  "num_params": model.num_params()},
+        "data": {"max_length": cfg.data.max_length, "truncation": cfg.data.truncation,
+                 "head_fraction": cfg.data.head_fraction},
+        "device": str(rt.device),
+        "compute_dtype": rt.precision,
+        "training_metrics": metrics,
+        "limits": dataclasses.asdict(limits),
+    }
+
+
+class Batcher:
+    """Gathers concurrent requests' texts into model calls run in one worker thread."""
+
+    def __init__(self, predict: Callable[[list[str]], list[dict]], limits: Limits):
+        self.predict, self.limits = predict, limits
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.held = None  # a request that did not fit into the last batch: it starts the next one
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tfm-model")
+        self.in_flight = self.requests = self.batches = 0  # GET /health shows them
+        self.last_size = 2  # requests in the last batch; before the first, as if it had several
+
+    async def __call__(self, texts: list[str]) -> list[dict]:
+        future = asyncio.get_running_loop().create_future()
+        self.in_flight += 1
+        try:
+            await self.queue.put((texts, future))
+            return await future
+        finally:
+            self.in_flight -= 1
+            self.requests += 1
+
+    async def run(self) -> None:
+        while True:
+            await self._run_batch(await self._gather())
+
+    async def _gather(self) -> list[tuple]:
+        """The next batch: the first waiting request, and those waiting or coming within max_wait_ms that
+        fit. It waits only after a batch of several requests (and for the first): a lone client's
+        requests are answered at once."""
+        loop = asyncio.get_running_loop()
+        first = self.held if self.held is not None else await self.queue.get()
+        self.held = None
+        batch, n = [first], len(first[0])
+        deadline = loop.time() + (self.limits.max_wait_ms / 1000 if self.last_size > 1 else 0.0)
+        while n < self.limits.max_batch_size:
+            item = await self._next(deadline - loop.time())
+            if item is None:
+                break
+            if n + len(item[0]) > self.limits.max_batch_size:
+                self.held = item
+                break
+            batch.append(item)
+            n += len(item[0])
+        self.last_size = len(batch)
+        return batch
+
+    async def _next(self, timeout: float):
+        """A waiting request, or one that arrives within `timeout` seconds; None if none does."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        if timeout <= 0:
+            return None
+        getter = asyncio.ensure_future(self.queue.get())
+        await asyncio.wait({getter}, timeout=timeout)
+        if not getter.done():
+            getter.cancel()
+        try:
+            return await getter  # an item that came as it was cancelled is kept, not lost
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            return None
+
+    async def _run_batch(self, batch: list[tuple]) -> None:
+        texts = [t for request, _ in batch for t in request]
+        self.batches += 1
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self.worker, self.predict, texts)
+        except Exception as e:  # noqa: BLE001 (handed to each request, which answers 500; serving goes on)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+            return
+        start = 0
+        for request, future in batch:
+            if not future.done():  # done: the client went away
+                future.set_result(results[start : start + len(request)])
+            start += len(request)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None):
+    """The FastAPI app around a model from load_for_inference."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import BaseModel, ConfigDict, ValidationError
+    from starlette.exceptions import HTTPException
+
+    class PredictRequest(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        texts: list[str]
+
+    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(batcher.run())
+        on_ready()
+        try:
+            yield
+        finally:  # uvicorn has let the requests in flight finish
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            batcher.worker.shutdown(wait=True)
+
+    app = FastAPI(title="tfm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": message}, status_code=status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return error(e.status, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # 404, 405
+        return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}; this server has "
+                     "POST /predict, GET /health and GET /metadata")
+
+    @app.post("/predict")
+    async def predict(request: Request) -> Response:
+        body = await read_body(request, limits.max_body_bytes)
+        try:
+            texts = PredictRequest.model_validate_json(body).texts
+        except ValidationError as e:
+            raise validation_error(e) from None
+        check_texts(texts, limits.max_texts)
+        try:
+            predictions = await batcher(texts)
+        except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
+            raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
+        # encoded here: a returned dict would be walked by FastAPI's jsonable_encoder first
+        return Response(json.dumps({"predictions": predictions}), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "in_flight": batcher.in_flight, "requests": batcher.requests,
+                "batches": batcher.batches}
+
+    @app.get("/metadata")
+    async def get_metadata() -> dict:
+        return metadata
+
+    return app
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request's body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {int(declared)} bytes is over the limit of {limit} (--max-body-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def validation_error(e) -> ApiError:
+    """pydantic's first complaint about the body, as one line."""
+    first = e.errors()[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}); "
+                        f"{USAGE}")
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    if first["type"] == "missing":
+        return ApiError(422, f"'{where}' is missing; {USAGE}")
+    return ApiError(422, f"'{where}': {first['msg']}; {USAGE}")
+
+
+def check_texts(texts: list[str], max_texts: int) -> None:
+    if not texts:
+        raise ApiError(422, f"'texts' is empty; {USAGE}")
+    if len(texts) > max_texts:
+        raise ApiError(422, f"{len(texts)} texts in one request; at most {max_texts} (--max-texts)")
+    for i, text in enumerate(texts):
+        if not text.strip():
+            raise ApiError(422, f"texts[{i}] is empty; every text must be a non-empty review")
+
+
+def server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGTERM or Ctrl-C ends in exit code 0 after the graceful shutdown
+        (uvicorn's own raises the signal again once it is done)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server
+
