@@ -26,7 +26,8 @@ from transformer_cli.fileio import read_json, write_json
 
 BINS = 15  # equal-width bins of the top probability, as ECE is usually reported
 CONFIG_KEY = "calibration"  # config.json's object: {"temperature", "ece_before", "ece_after", ...}
-LOG_T_RANGE = (math.log(1e-2), math.log(1e2))  # T beyond these is a degenerate fit (e.g. a split it gets all right)
+T_RANGE = (1e-2, 1e2)  # T beyond these is a degenerate fit (e.g. a split it gets all right)
+LOG_T_RANGE = (math.log(T_RANGE[0]), math.log(T_RANGE[1]))
 
 
 def fit_temperature(logits: torch.Tensor, labels: np.ndarray | torch.Tensor, max_iter: int = 100) -> float:
@@ -48,8 +49,8 @@ def fit_temperature(logits: torch.Tensor, labels: np.ndarray | torch.Tensor, max
 
     with torch.enable_grad():  # callers may run under inference_mode
         opt.step(closure)
-    value = float(log_t.detach().clamp(*LOG_T_RANGE).exp())
-    return value if math.isfinite(value) else 1.0
+    value = float(log_t.detach().exp())
+    return min(max(value, T_RANGE[0]), T_RANGE[1]) if math.isfinite(value) else 1.0
 
 
 def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = BINS) -> dict[str, np.ndarray]:
