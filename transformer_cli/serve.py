@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformer_cli import __version__
-from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.calibration import saved_temperature
+from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_loaded
 from transformer_cli.fileio import read_json
 
