@@ -220,7 +220,8 @@ def test_evaluate_text_report(cli_run):
         assert line.split() == [name, f"{c['precision']:.4f}", f"{c['recall']:.4f}", f"{c['f1']:.4f}", str(c["support"])]
     (tn, fp), (fn, tp) = m["confusion_matrix"]
     assert lines[7] == "  confusion (rows: true, columns: predicted)"
-    assert [line.split() for line in lines[8:]] == [["neg", "pos"], ["neg", str(tn), str(fp)], ["pos", str(fn), str(tp)]]
+    assert [line.split() for line in lines[8:11]] == [["neg", "pos"], ["neg", str(tn), str(fp)], ["pos", str(fn), str(tp)]]
+    assert lines[11:] == [f"  ece        {m['ece']:.4f} (temperature {m['temperature']:.3f})"]
 
 
 def test_evaluation_report_of_three_labels():

@@ -50,6 +50,10 @@ def test_two_processes_equal_one_with_the_same_global_batch(synthetic_data_dir, 
     assert m2["val"]["confusion_matrix"] == m1["val"]["confusion_matrix"]
     assert m2["val"]["loss"] == pytest.approx(m1["val"]["loss"], rel=1e-4)
     assert m2["steps"] == m1["steps"]
+    # The calibration sees every rank's validation logits, as one process does.
+    assert m2["calibration"]["num_examples"] == m1["calibration"]["num_examples"]
+    assert m2["calibration"]["temperature"] == pytest.approx(m1["calibration"]["temperature"], rel=1e-3)
+    assert m2["val"]["ece"] == pytest.approx(m1["val"]["ece"], abs=1e-4)
     # train/loss is the mean over the global batch, as in one process (not rank 0's half).
     l2, l1 = read_scalars(ddp)["train/loss"], read_scalars(single)["train/loss"]
     assert [s for s, _ in l2] == [s for s, _ in l1]

@@ -120,4 +120,6 @@ def test_the_validation_split_is_the_one_the_run_chose_its_model_on(trained_run)
     assert m["split"] == "validation"
     assert m["num_examples"] == metrics["val"]["num_examples"]
     assert m["confusion_matrix"] == metrics["val"]["confusion_matrix"]
-    assert m["loss"] == pytest.approx(metrics["val"]["loss"], rel=1e-5)
+    # evaluate divides the logits by the temperature fitted on this very split: the fit's NLL and ECE
+    assert m["loss"] == pytest.approx(metrics["calibration"]["nll_after"], rel=1e-5)
+    assert m["ece"] == pytest.approx(metrics["calibration"]["ece_after"], abs=1e-6)

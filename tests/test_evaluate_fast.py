@@ -41,8 +41,8 @@ def random_model(seed: int = 0, **cfg) -> CTransformer:
     return CTransformer(mc, VOCAB, MAX_LEN).eval()
 
 
-def reference_metrics(model, enc: Encoded) -> dict:
-    logits = one_at_a_time_logits(model, enc)
+def reference_metrics(model, enc: Encoded, temperature: float = 1.0) -> dict:
+    logits = one_at_a_time_logits(model, enc) / temperature
     y = torch.from_numpy(enc.labels)
     confusion = np.zeros((2, 2))
     np.add.at(confusion, (enc.labels, logits.argmax(-1).numpy()), 1)
@@ -214,13 +214,15 @@ def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, t
 
 
 def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
+    from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import encode_texts
     from transformer_cli.evaluate import load_model_dir
 
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
     d = cfg.data
     ids, offsets = encode_texts(tokenizer, [r["text"] for r in test_rows], d.max_length, d.truncation, d.head_fraction)
-    want = reference_metrics(model, Encoded(ids, offsets, np.array([r["label"] for r in test_rows])))
+    temperature = saved_temperature(trained_dir)  # evaluate reports the calibrated probabilities
+    want = reference_metrics(model, Encoded(ids, offsets, np.array([r["label"] for r in test_rows])), temperature)
     got = ev.evaluate_checkpoint(trained_dir, device="cpu")
     assert got["confusion_matrix"] == want["confusion_matrix"]
     assert got["accuracy"] == want["accuracy"] and got["macro_f1"] == want["macro_f1"]

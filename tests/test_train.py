@@ -362,6 +362,7 @@ def test_ema_run_saves_the_average_and_resumes_exactly(synthetic_data_dir, tmp_p
 def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_dir, tmp_path):
     from conftest import one_at_a_time_logits
 
+    from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.evaluate import predict_texts
 
@@ -377,7 +378,8 @@ def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_
     assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
     texts = ["a great superb film", "an awful boring film"]
     ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
-    want = one_at_a_time_logits(model, Encoded(ids, offsets, np.zeros(2, dtype=np.int64))).softmax(-1)
+    logits = one_at_a_time_logits(model, Encoded(ids, offsets, np.zeros(2, dtype=np.int64)))
+    want = (logits / saved_temperature(tmp_path / "run")).softmax(-1)  # predict's calibrated probabilities
     got = [p["probabilities"] for p in predict_texts(tmp_path / "run", texts, device="cpu")]
     np.testing.assert_allclose([[p["neg"], p["pos"]] for p in got], want.numpy(), atol=1e-6)
 

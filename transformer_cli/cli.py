@@ -193,6 +193,10 @@ def train(
         line += f", stopped early at step {metrics['steps']}"
     if "test" in metrics:
         line += f", test accuracy {metrics['test']['accuracy']:.4f}"
+    if "calibration" in metrics:
+        cal = metrics["calibration"]
+        line += (f"; temperature {cal['temperature']:.3f} (val ECE {cal['ece_before']:.4f} -> "
+                 f"{cal['ece_after']:.4f})")
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
 
 
@@ -325,13 +329,26 @@ def evaluate(
     device: Device = "auto",
     batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
     precision: InferPrecision = None,
+    report: Annotated[Path | None, typer.Option(
+        help="Write plots (confusion matrix, reliability, PR curves, accuracy by length) and report.html here.",
+        show_default=False)] = None,
 ) -> None:
-    """Accuracy, macro-F1, loss, each class's precision, recall and F1, and the confusion matrix of a trained
-    model on a split."""
+    """Accuracy, macro-F1, loss, calibration error (ECE), each class's precision, recall and F1, and the
+    confusion matrix of a trained model on a split."""
+    if report is not None:
+        from transformer_cli.report import check_report_dir
+
+        check_report_dir(report)  # before the evaluation's minutes
     from transformer_cli.evaluate import evaluate_checkpoint  # imports torch
 
-    m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision)
-    typer.echo(json.dumps(m) if as_json else evaluation_report(m))
+    m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision, report)
+    if as_json:
+        typer.echo(json.dumps(m))
+        return
+    typer.echo(evaluation_report(m))
+    typer.echo(f"  {'ece':<10} {m['ece']:.4f} (temperature {m['temperature']:.3f})")
+    if report is not None:
+        typer.echo(f"report: {report / 'report.html'}")
 
 
 @app.command("export")

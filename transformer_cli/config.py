@@ -209,6 +209,7 @@ class TrainConfig(_Section):
     patience: int = 0  # stop after this many validation passes without a better select_metric; 0: never early
     eval_batch_size: int = 256
     test_at_end: bool = False  # evaluate the best model on the test split after training
+    calibrate: bool = True  # fit a temperature for the probabilities on validation after training (calibration.py)
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
     keep_checkpoints: int = 2
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
@@ -327,7 +328,8 @@ class Config:
 
 # Fields added after runs were first saved, with the value that reproduces what older runs did.
 LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("model", "ngram_order"): 2, ("model", "ngram_binary"): False,
-                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1, ("data", "val_split"): ""}
+                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1, ("data", "val_split"): "",
+                 ("train", "calibrate"): False}
 
 
 def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from transformer_cli.calibration import expected_calibration_error, saved_temperature, softmax
 from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
@@ -111,17 +112,19 @@ def torch_threads(n: int):
 
 
 def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
-                   label_names: list[str] | None = None) -> dict:
+                   label_names: list[str] | None = None, logits: torch.Tensor | None = None) -> dict:
     """Loss, and metrics_from_confusion's accuracy, macro-F1, per-class figures and confusion matrix.
 
-    Sums are reduced over ranks, so a distributed evaluation equals a single-process one.
+    Sums are reduced over ranks, so a distributed evaluation equals a single-process one. `logits`:
+    those of all of `enc` already computed (all_logits, maybe temperature-scaled): no forward pass.
     """
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
     batches = batches_for(enc, batch_size, rt)
     try:
-        logits = batched_logits(model, enc, batches, rt, num_labels)
+        if logits is None:
+            logits = batched_logits(model, enc, batches, rt, num_labels)
     finally:
         model.train(was_training)
     mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
@@ -136,6 +139,33 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     out["loss"] = loss_sum / max(1, int(confusion.sum()))
     out["examples_per_sec"] = len(enc) / elapsed if elapsed > 0 else 0.0
     return out
+
+
+def all_logits(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int) -> torch.Tensor:
+    """(len(enc), num_labels) float32 logits of every example of `enc`, on every rank: each rank computes
+    its batches (batches_for) and the ranks' rows are summed. The model is in eval mode meanwhile."""
+    was_training = model.training
+    model.eval()
+    try:
+        logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, num_labels)
+    finally:
+        model.train(was_training)
+    if rt.distributed:  # each row is non-zero on one rank only: the sum gathers them
+        logits = torch.tensor(rt.all_sum(logits.ravel().tolist()), dtype=torch.float32).view_as(logits)
+    return logits
+
+
+def evaluate_scaled(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
+                    label_names: list[str] | None = None, temperature: float = 1.0) -> tuple[dict, torch.Tensor]:
+    """(evaluate_model's metrics of logits / temperature, plus "ece"; those logits): one forward pass
+    whose logits the caller may reuse (plots, calibration)."""
+    t0 = time.perf_counter()
+    logits = all_logits(model, enc, rt, batch_size, num_labels) / temperature
+    metrics = evaluate_model(model, enc, rt, batch_size, num_labels, label_names, logits=logits)
+    elapsed = time.perf_counter() - t0
+    metrics["examples_per_sec"] = len(enc) / elapsed if elapsed > 0 else 0.0
+    metrics["ece"] = expected_calibration_error(softmax(logits), enc.labels)
+    return metrics, logits
 
 
 def metrics_from_confusion(confusion: np.ndarray, label_names: list[str] | None = None) -> dict:
@@ -172,12 +202,13 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncation: str,
-                  head_fraction: float, rt: Runtime, batch_size: int = 64) -> np.ndarray:
-    """(N, num_labels) probabilities, in the order of `texts`. The model must be in eval mode."""
+                  head_fraction: float, rt: Runtime, batch_size: int = 64, temperature: float = 1.0) -> np.ndarray:
+    """(N, num_labels) probabilities of logits / temperature, in the order of `texts`. The model must be
+    in eval mode."""
     ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
     logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
-    return logits.softmax(-1).numpy().astype(np.float64)
+    return softmax(logits, temperature)
 
 
 def load_model_dir(path: str | Path, device="cpu"):
@@ -237,14 +268,17 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
     """[{"label", "score", "probabilities"}] for each text, from a `tfm train` output directory."""
     if not texts:
         raise TfmError("no input texts; pass TEXT arguments or --file PATH (one review per line)")
-    return predict_loaded(load_for_inference(model_dir, device, precision), texts, batch_size)
+    return predict_loaded(load_for_inference(model_dir, device, precision), texts, batch_size,
+                          saved_temperature(model_dir))
 
 
-def predict_loaded(loaded: tuple, texts: list[str], batch_size: int = 64) -> list[dict]:
-    """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once)."""
+def predict_loaded(loaded: tuple, texts: list[str], batch_size: int = 64, temperature: float = 1.0) -> list[dict]:
+    """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once), its
+    logits divided by `temperature` (calibration.saved_temperature of its folder)."""
     rt, model, cfg, tokenizer, labels = loaded
     d = cfg.data
-    probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size)
+    probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size,
+                          temperature)
     return [
         {
             "label": labels[int(p.argmax())],
@@ -257,9 +291,11 @@ def predict_loaded(loaded: tuple, texts: list[str], batch_size: int = 64) -> lis
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",
                         max_samples: int | None = None, device: str = "auto", batch_size: int | None = None,
-                        precision: str | None = None) -> dict:
-    """Metrics of a saved model on a split of its dataset (or of `data`). Split "validation" is what
-    the run validated on (data.train_val_splits, with its seed): the split its best model was chosen on."""
+                        precision: str | None = None, report: str | Path | None = None) -> dict:
+    """Metrics of a saved model on a split of its dataset (or of `data`), its logits divided by its
+    calibration temperature. Split "validation" is what the run validated on (data.train_val_splits,
+    with its seed): the split its best model was chosen on. `report`: a folder for report.write_report's
+    plots and report.html."""
     rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
     if data is not None:
@@ -270,7 +306,13 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
     t0 = time.perf_counter()
     enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed, labels)
     prep = time.perf_counter() - t0
-    metrics = evaluate_model(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels)
-    metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep,
-                    "compute_dtype": rt.precision})  # not "precision": that is a class's metric
+    temperature = saved_temperature(model_dir)
+    metrics, logits = evaluate_scaled(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels,
+                                      temperature)
+    metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep, "compute_dtype": rt.precision,
+                    "temperature": temperature})  # not "precision": that is a class's metric
+    if report is not None:
+        from transformer_cli.report import write_report  # imports matplotlib
+
+        write_report(report, metrics, softmax(logits), enc.labels, enc.lengths)
     return metrics

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformer_cli import __version__
+from transformer_cli.calibration import saved_temperature
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_loaded
 from transformer_cli.fileio import read_json
@@ -116,6 +117,7 @@ def model_metadata(model_dir: str | Path, loaded: tuple, limits: Limits) -> dict
                  "head_fraction": cfg.data.head_fraction},
         "device": str(rt.device),
         "compute_dtype": rt.precision,
+        "temperature": saved_temperature(model_dir),  # the calibration that predictions divide the logits by
         "training_metrics": metrics,
         "limits": dataclasses.asdict(limits),
     }
@@ -219,7 +221,8 @@ def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[
         model_config = ConfigDict(extra="forbid", strict=True)
         texts: list[str]
 
-    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits)
+    temperature = metadata.get("temperature", 1.0)
+    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size, temperature), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

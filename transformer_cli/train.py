@@ -28,11 +28,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from transformer_cli import calibration, tb_pictures
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import evaluate_model
+from transformer_cli.evaluate import all_logits, evaluate_scaled
 from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, remove_stale_temp_files, write_json
 from transformer_cli.model import CTransformer
 from transformer_cli.optim import clip_grad_norm_, make_optimizer
@@ -40,7 +41,7 @@ from transformer_cli.runtime import Runtime, make_runtime, shutdown
 
 # Settings that may differ on resume without changing the trajectory of training.
 RESUME_FREE = {"output_dir", "log_every", "eval_batch_size", "test_at_end", "checkpoint_every",
-               "keep_checkpoints", "device", "num_threads", "max_bad_steps", "compile"}
+               "keep_checkpoints", "device", "num_threads", "max_bad_steps", "compile", "calibrate"}
 
 
 class Interrupted(TfmError):
@@ -267,6 +268,7 @@ class Classification:
         self.label_smoothing, self.eval_batch_size = label_smoothing, eval_batch_size
         self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
+        self.val_logits: torch.Tensor | None = None  # of the last validation pass, for pictures and calibration
 
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
         ids, mask, y = rt.tensors(*collate(self.train, idx))
@@ -280,8 +282,9 @@ class Classification:
         return objective, {"loss": F.cross_entropy(logits.detach().float(), y)}
 
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        m = evaluate_model(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels), self.labels)
-        tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"]}
+        m, self.val_logits = evaluate_scaled(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels),
+                                             self.labels)
+        tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"], "val/ece": m["ece"]}
         return m, tags, selection_score(m, self.select_metric)
 
 
@@ -556,6 +559,9 @@ def validate(run: Run, logger: Logger) -> dict:
     score improves."""
     with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
         m, tags, score = run.task.evaluate(run)
+        if isinstance(run.task, Classification) and logger.writer is not None:
+            tb_pictures.log_validation(logger.writer, run.state.step, m, run.task.val_logits, run.task.val,
+                                       run.task.labels, load_tokenizer(run.out))
         st = run.state
         weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
         if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
@@ -847,17 +853,38 @@ def run_metrics(run: Run) -> dict:
 def finish(run: Run, logger: Logger) -> dict:
     st, tc, task = run.state, run.cfg.train, run.task
     metrics = run_metrics(run)
+    ckpt.load_weights(run.model, run.out / ckpt.MODEL_FILE)  # the best model, which what follows is of
+    temperature = 1.0
+    if tc.calibrate:
+        metrics["calibration"] = calibrate(run, logger)
+        temperature = metrics["calibration"]["temperature"]
     if tc.test_at_end:
-        ckpt.load_weights(run.model, run.out / ckpt.MODEL_FILE)
         test = prepare_eval_data(run.cfg.data, load_tokenizer(run.out), "test", run.cfg.data.max_eval_samples,
                                  label_names=task.labels)
-        metrics["test"] = evaluate_model(run.model, test, run.rt, tc.eval_batch_size, len(task.labels), task.labels)
+        metrics["test"], _ = evaluate_scaled(run.model, test, run.rt, tc.eval_batch_size, len(task.labels), task.labels,
+                                             temperature)
         logger.scalars(st.step, {"test/accuracy": metrics["test"]["accuracy"], "test/loss": metrics["test"]["loss"]})
     hp = {f"{s}.{k}": v for s, sec in run.cfg.to_dict().items() for k, v in sec.items() if v is not None}
     final = {"hparam/val_accuracy": st.best_val.get("accuracy", 0.0), "hparam/val_loss": st.best_val.get("loss", 0.0)}
     if "test" in metrics:
         final["hparam/test_accuracy"] = metrics["test"]["accuracy"]
     logger.hparams(hp, final, st.step)
+    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, load_tokenizer(run.out))
     if run.rt.is_main:
         write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
+
+
+def calibrate(run: Run, logger: Logger) -> dict:
+    """The best model's temperature, fitted on the validation split (calibration.py), stored in
+    config.json and logged. The last validation pass's logits are the best model's when it was the
+    best; otherwise (e.g. a resumed run) they are computed again."""
+    st, task = run.state, run.task
+    logits = task.val_logits
+    if logits is None or st.best_step != st.step:
+        logits = all_logits(run.model, task.val, run.rt, run.cfg.train.eval_batch_size, len(task.labels))
+    cal = calibration.calibrate(logits, task.val.labels)
+    logger.scalars(st.step, {f"calibration/{k}": cal[k] for k in ("temperature", "ece_before", "ece_after")})
+    if run.rt.is_main:
+        calibration.save_calibration(run.out, cal)
+    return cal

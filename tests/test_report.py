@@ -1,0 +1,126 @@
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli import assert_fails_cleanly, tfm
+
+from transformer_cli import report
+from transformer_cli.calibration import expected_calibration_error
+from transformer_cli.errors import TfmError
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class Page(HTMLParser):
+    """The images and links of a page, and the text of each element with an id."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[str] = []
+        self.by_id: dict[str, str] = {}
+        self._id = None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "img":
+            self.refs.append(a["src"])
+        if tag == "a" and "href" in a:
+            self.refs.append(a["href"])
+        self._id = a.get("id")
+
+    def handle_data(self, data):
+        if self._id:
+            self.by_id[self._id] = data.strip()
+            self._id = None
+
+
+def read_page(path: Path) -> Page:
+    page = Page()
+    page.feed(path.read_text(encoding="utf-8"))
+    return page
+
+
+def assert_complete_report(folder: Path) -> Page:
+    """Every picture is a PNG that decodes; report.html shows each of them and nothing else."""
+    import matplotlib.image
+
+    page = read_page(folder / report.REPORT_FILE)
+    assert sorted(page.refs) == sorted(report.PICTURES)
+    for name in report.PICTURES:
+        data = (folder / name).read_bytes()
+        assert data[:8] == PNG_SIGNATURE
+        pixels = matplotlib.image.imread(folder / name)
+        assert pixels.ndim == 3 and min(pixels.shape[:2]) > 100 and pixels.std() > 0  # a picture, not a blank
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # no temp files left
+    return page
+
+
+def three_class_outputs(n: int = 300, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 3, n)
+    logits = rng.normal(size=(n, 3)) + 2.0 * np.eye(3)[labels]
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    confusion = np.zeros((3, 3), dtype=int)
+    np.add.at(confusion, (labels, probs.argmax(1)), 1)
+    metrics = {"data": "reviews.jsonl", "split": "test", "labels": ["neg", "mixed", "pos"], "num_examples": n,
+               "accuracy": float((probs.argmax(1) == labels).mean()), "loss": 0.5,
+               "ece": expected_calibration_error(probs, labels), "confusion_matrix": confusion.tolist(),
+               "temperature": 1.25}
+    return metrics, probs, labels, rng.integers(3, 400, n)
+
+
+def test_report_of_three_classes(tmp_path):
+    metrics, probs, labels, lengths = three_class_outputs()
+    path = report.write_report(tmp_path / "rep", metrics, probs, labels, lengths)
+    assert path == tmp_path / "rep" / "report.html"
+    page = assert_complete_report(tmp_path / "rep")
+    assert page.by_id["ece"] == f"{metrics['ece']:.4f}"
+    assert page.by_id["accuracy"] == f"{metrics['accuracy']:.4f}"
+    assert page.by_id["temperature"] == "1.2500"
+
+
+def test_pr_curve_against_thresholds_one_by_one():
+    rng = np.random.default_rng(1)
+    scores = rng.choice([0.1, 0.3, 0.5, 0.7, 0.9], 200)  # ties
+    positive = rng.random(200) < scores
+    precision, recall, ap = report.pr_curve(scores, positive)
+    thresholds = np.unique(scores)[::-1]
+    for p, r, th in zip(precision, recall, thresholds, strict=True):
+        chosen = scores >= th
+        assert p == pytest.approx(positive[chosen].mean())
+        assert r == pytest.approx(positive[chosen].sum() / positive.sum())
+    assert report.pr_curve(np.array([0.9, 0.8, 0.2]), np.array([True, True, False]))[2] == 1.0
+    assert 0 < ap < 1
+
+
+def test_accuracy_by_length_bins():
+    probs = np.array([[0.9, 0.1], [0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
+    labels = np.array([0, 1, 1, 1, 1])
+    lengths = np.array([10, 32, 33, 64, 1000])
+    assert report.accuracy_by_length(probs, labels, lengths) == [
+        (0, 32, 2, 0.5), (32, 64, 2, 0.5), (512, 1024, 1, 1.0)]
+
+
+def test_report_folder_and_matplotlib_are_checked_first(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "file")), 2,
+                         "--report", "is a file")
+    monkeypatch.setattr(report, "have_matplotlib", lambda: False)
+    with pytest.raises(TfmError, match=r"pip install 'transformer-cli\[viz\]'"):
+        report.check_report_dir(tmp_path / "rep")
+
+
+def test_evaluate_report_matches_evaluate_json(trained_dir, tmp_path):
+    folder = tmp_path / "report"
+    result = tfm("evaluate", "-c", trained_dir, "--device", "cpu", "--json", "--report", folder)
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    page = assert_complete_report(folder)
+    assert page.by_id["ece"] == f"{m['ece']:.4f}"
+    assert page.by_id["accuracy"] == f"{m['accuracy']:.4f}"
+    assert page.by_id["examples"] == str(m["num_examples"])
+    assert page.by_id["temperature"] == f"{m['temperature']:.4f}"
+    text = tfm("evaluate", "-c", trained_dir, "--device", "cpu")
+    assert f"ece        {m['ece']:.4f}" in text.stdout

@@ -1,0 +1,107 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
+
+from transformer_cli.config import ModelConfig
+from transformer_cli.data import Encoded
+from transformer_cli.model import CTransformer
+from transformer_cli.tb_pictures import attention_maps, pick_review, wrong_panel
+
+
+@pytest.fixture(scope="module")
+def events(trained_run):
+    out, metrics = trained_run
+    acc = EventAccumulator(str(out), size_guidance={"images": 0, "tensors": 0, "scalars": 0})
+    acc.Reload()
+    return acc, metrics
+
+
+def test_training_writes_pr_curves_confusion_images_and_wrong_reviews(events):
+    acc, metrics = events
+    tags = acc.Tags()
+    validation_steps = [e.step for e in acc.Scalars("val/accuracy")]
+    confusion = np.array(metrics["val"]["confusion_matrix"])
+    for c, name in enumerate(["neg", "pos"]):
+        curves = acc.Tensors(f"val_pr/{name}")
+        assert [e.step for e in curves] == validation_steps
+        data = tensor_util.make_ndarray(curves[-1].tensor_proto)  # (6, thresholds): TP, FP, TN, FN, P, R
+        assert data[0, 0] + data[3, 0] == confusion[c].sum()  # every example of class c is a TP or FN
+    assert "val/confusion_matrix" in tags["images"]
+    assert [e.step for e in acc.Images("val/confusion_matrix")] == validation_steps
+    texts = acc.Tensors("val/confidently_wrong/text_summary")
+    assert [e.step for e in texts] == validation_steps
+    panel = tensor_util.make_ndarray(texts[-1].tensor_proto).item().decode()
+    wrong = confusion.sum() - np.trace(confusion)
+    assert ("| probability | true | predicted | review |" in panel) == (wrong > 0)
+
+
+def test_training_ends_with_an_attention_image_and_calibration_scalars(events):
+    acc, metrics = events
+    (image,) = acc.Images("val/attention")
+    assert image.step == metrics["steps"] and image.encoded_image_string[:4] == b"\x89PNG"
+    (t,) = acc.Scalars("calibration/temperature")
+    assert t.value == pytest.approx(metrics["calibration"]["temperature"], rel=1e-6)
+
+
+class Chars:
+    """A stand-in tokenizer: token id i is the letter chr(ord('a') + i % 26)."""
+
+    def decode(self, ids):
+        return " ".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_wrong_panel_shows_the_most_confident_mistakes_first():
+    labels = np.array([0, 1, 2, 0, 1, 2])
+    probs = np.array([[0.2, 0.7, 0.1], [0.9, 0.05, 0.05], [0.1, 0.1, 0.8], [0.5, 0.25, 0.25], [0.3, 0.1, 0.6],
+                      [0.1, 0.85, 0.05]])
+    lengths = np.array([3, 500, 2, 2, 2, 2])
+    enc = Encoded(np.arange(lengths.sum()) % 7, np.r_[0, np.cumsum(lengths)], labels)
+    panel = wrong_panel(probs, enc, ["a", "b", "c"], Chars(), shown=3)
+    rows = [line for line in panel.splitlines() if line.startswith("| 0.")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0.900", "| 0.850", "| 0.700"]
+    assert rows[0].split(" | ")[1:3] == ["b", "a"]
+    assert "4 wrong" in panel
+    assert all(len(r.split(" | ")[3]) <= 302 for r in rows)  # reviews cut to a few hundred characters
+    assert wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars()).startswith("No validation review")
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_attention_maps_are_the_attention_the_model_applies(norm):
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, norm=norm, dropout=0.0)
+    model = CTransformer(cfg, vocab_size=50, max_length=16, num_labels=3).eval()
+    ids = torch.randint(5, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False  # padding
+    outputs = []
+    hooks = [b.attn.register_forward_hook(lambda m, args, out: outputs.append((args[0], out)))
+             for b in model.encoder.blocks]
+    maps = attention_maps(model, ids, mask)
+    for h in hooks:
+        h.remove()
+    assert len(maps) == 2 and maps[0].shape == (2, 4, 9, 9)
+    for att, (x, out), block in zip(maps, outputs, model.encoder.blocks, strict=True):
+        assert torch.allclose(att.sum(-1), torch.ones(2, 4, 9))
+        assert (att[1, :, :, 6:] == 0).all()  # no attention on padding
+        attn = block.attn
+        v = attn.qkv(x)[..., 64:].view(2, 9, 4, 8).transpose(1, 2)  # (B, H, T, Dh)
+        mixed = (att @ v).transpose(1, 2).reshape(2, 9, 32)  # (B, T, C)
+        torch.testing.assert_close(attn.proj(mixed), out, atol=1e-5, rtol=1e-5)
+    assert not model.training and all(not b.attn._forward_pre_hooks for b in model.encoder.blocks)
+
+
+def test_pick_review_prefers_a_short_one():
+    lengths = np.array([90, 30, 20, 100])
+    enc = Encoded(np.zeros(lengths.sum(), dtype=np.int32), np.r_[0, np.cumsum(lengths)], np.zeros(4, dtype=np.int64))
+    assert pick_review(enc, 40) == 1
+    assert pick_review(enc, 10) == 2
+
+
+def test_metrics_json_carries_the_calibration(trained_run):
+    out, metrics = trained_run
+    assert json.loads((out / "metrics.json").read_text())["calibration"] == metrics["calibration"]
+    assert "ece" in metrics["val"]

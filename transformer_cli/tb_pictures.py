@@ -1,0 +1,150 @@
+"""TensorBoard pictures of a classifier's training, beside the scalars.
+
+At each validation pass, from the validation logits that pass computed (no second forward pass):
+a precision-recall curve per class (`val_pr/LABEL`), the confusion matrix as an image
+(`val/confusion_matrix`) and a text panel of the most confidently wrong reviews
+(`val/confidently_wrong`). At the end of training: one validation review's attention maps, a
+panel per layer, heads averaged (`val/attention`). Images need matplotlib (the `viz` extra);
+without it they are left out, with one warning.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from transformer_cli.calibration import softmax
+from transformer_cli.data import Encoded
+from transformer_cli.model import explicit_attention
+from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, rgb_array
+
+WRONG_SHOWN = 10  # reviews in the confidently-wrong panel
+TEXT_CHARS = 300  # of each review shown there
+ATTENTION_TOKENS = 40  # the review whose attention is drawn is cut to this many tokens, to stay legible
+
+_warned: set[str] = set()
+
+
+def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: Encoded, names: list[str],
+                   tokenizer) -> None:
+    """PR curves, confusion matrix image and confidently-wrong panel of one validation pass (its
+    metrics, its (N, K) logits of `enc`); nothing without a writer (ranks other than the main one)."""
+    if writer is None:
+        return
+    probs = softmax(logits)
+    for c, name in enumerate(names):
+        writer.add_pr_curve(f"val_pr/{name}", enc.labels == c, probs[:, c], step)
+    if _can_draw():
+        fig = confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
+        writer.add_image("val/confusion_matrix", rgb_array(fig), step, dataformats="HWC")
+    writer.add_text("val/confidently_wrong", wrong_panel(probs, enc, names, tokenizer), step)
+
+
+def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, shown: int = WRONG_SHOWN) -> str:
+    """A markdown table of the `shown` wrong predictions with the highest probability."""
+    predicted = probs.argmax(axis=1)
+    wrong = np.nonzero(predicted != enc.labels)[0]
+    if not len(wrong):
+        return f"No validation review of {len(enc)} is predicted wrong."
+    worst = wrong[np.argsort(-probs[wrong, predicted[wrong]], kind="stable")[:shown]]
+    lines = [f"The {len(worst)} most confidently wrong of {len(wrong)} wrong validation reviews (of {len(enc)}):", "",
+             "| probability | true | predicted | review |", "|---|---|---|---|"]
+    for i in worst:
+        lines.append(f"| {probs[i, predicted[i]]:.3f} | {names[enc.labels[i]]} | {names[predicted[i]]} | "
+                     f"{_cell(review_text(enc, i, tokenizer))} |")
+    return "\n".join(lines)
+
+
+def review_text(enc: Encoded, i: int, tokenizer, chars: int = TEXT_CHARS) -> str:
+    """Review i as the model read it (decoded tokens, after truncation), cut to `chars` characters."""
+    text = tokenizer.decode(enc.ids[enc.offsets[i] : enc.offsets[i + 1]].tolist())
+    return text if len(text) <= chars else text[: chars - 3] + "..."
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_maps(model, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer, the (B, H, T, T) attention probabilities of the model's forward pass on (ids, mask).
+
+    A hook before each block's attention takes its input and recomputes q and k with the block's own
+    projection; explicit_attention with the identity as values returns its attention matrix itself
+    (att @ I = att), so that masking and scaling are the model's own.
+    """
+    maps: list[torch.Tensor] = []
+
+    def capture(attn, args) -> None:
+        x, m = args
+        B, T, C = x.shape
+        q, k, _ = attn.qkv(x).split(C, dim=2)  # 2 x (B, T, C)
+        q = q.view(B, T, attn.n_heads, C // attn.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        k = k.view(B, T, attn.n_heads, C // attn.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        eye = torch.eye(T, dtype=q.dtype, device=q.device).expand(B, attn.n_heads, T, T)  # (B, H, T, T)
+        maps.append(explicit_attention(q, k, eye, m[:, None, None, :]))
+
+    hooks = [block.attn.register_forward_pre_hook(capture) for block in model.encoder.blocks]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(ids, mask)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return maps
+
+
+def pick_review(enc: Encoded, tokens: int = ATTENTION_TOKENS) -> int:
+    """The first validation review of at most `tokens` tokens, else the shortest."""
+    short = np.nonzero(enc.lengths <= tokens)[0]
+    return int(short[0]) if len(short) else int(np.argmin(enc.lengths))
+
+
+def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer) -> None:
+    """One validation review's attention maps, a panel per layer (heads averaged), as an image."""
+    if writer is None or not len(enc) or not _can_draw():
+        return
+    i = pick_review(enc)
+    ids_np = enc.ids[enc.offsets[i] : enc.offsets[i + 1]][:ATTENTION_TOKENS].astype(np.int64)
+    device = next(model.parameters()).device
+    ids = torch.from_numpy(ids_np)[None].to(device)  # (1, T)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    maps = [m[0].mean(0).float().cpu().numpy() for m in attention_maps(model, ids, mask)]  # L x (T, T)
+    with torch.no_grad():
+        p = model.eval()(ids, mask).float().softmax(-1)[0].cpu()
+    tokens = [tokenizer.id_to_token(int(t)) or "?" for t in ids_np]
+    title = f"true {names[enc.labels[i]]}, predicted {names[int(p.argmax())]} ({float(p.max()):.3f})"
+    writer.add_image("val/attention", rgb_array(attention_figure(maps, tokens, title)), step, dataformats="HWC")
+
+
+def attention_figure(maps: list[np.ndarray], tokens: list[str], title: str):
+    """A heat map per layer: row = the token attending, column = the token attended to."""
+    n, size = len(maps), 1.5 + 0.12 * len(tokens)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig = new_figure(cols * size + 0.5, rows * size + 0.6)
+    fig.suptitle(f"Attention, heads averaged: {title}")
+    for layer, att in enumerate(maps):
+        ax = fig.add_subplot(rows, cols, layer + 1)
+        ax.imshow(att, cmap="viridis", vmin=0)
+        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(tokens)), tokens, fontsize=6)
+        ax.set_title(f"layer {layer + 1}", fontsize=9)
+    return fig
+
+
+def _can_draw() -> bool:
+    if have_matplotlib():
+        return True
+    if "draw" not in _warned:
+        _warned.add("draw")
+        print(f"tfm: warning: TensorBoard images {NEEDS_VIZ}; left out", file=sys.stderr)
+    return False
+
