@@ -2,15 +2,17 @@
 
 The graph takes `ids` (batch, length) int64, each row [CLS] followed by the text's truncated
 subword ids and [PAD] after them, and `mask` (batch, length) bool, True at real tokens; both axes
-are dynamic (length up to the model's max_length). It returns `logits` (batch, num_labels) float32;
-softmax gives `tfm predict`'s probabilities. It is traced from the model's reference path
+are dynamic (length up to the model's max_length). It returns `logits` (batch, num_labels) float32,
+already divided by the model's calibration temperature: their softmax is `tfm predict`'s
+probabilities. It is traced from the model's reference path
 (attention "explicit": plain matmuls and a masked softmax), not from the fused or hand-written
 kernels that inference may pick, and checked against the loaded model before it is written.
 
 What a caller needs to build the inputs travels with the file: the tokenizer is written beside it
 as NAME.tokenizer.json, and the ONNX model's metadata_props hold (all strings) `tfm.labels` (a
 JSON list), `tfm.max_length`, `tfm.truncation`, `tfm.head_fraction`, `tfm.tokenizer` (the
-tokenizer file's name), `tfm.cls_id`, `tfm.pad_id` and `tfm.version`. See docs/serving.md.
+tokenizer file's name), `tfm.cls_id`, `tfm.pad_id`, `tfm.temperature` (already in the graph) and
+`tfm.version`. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from transformer_cli import __version__
+from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan, load_model_dir
@@ -50,12 +53,14 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     import onnx
 
     model, cfg, tokenizer, labels = load_model_dir(model_dir)
-    proto = onnx.load_from_string(_trace(reference_model(model), cfg.data.max_length))
+    temperature = saved_temperature(model_dir)
+    model = Calibrated(model, temperature)
+    proto = onnx.load_from_string(_trace(Calibrated(reference_model(model.model), temperature), cfg.data.max_length))
     tokenizer_file = output.with_name(output.stem + ".tokenizer.json")
     d = cfg.data
     meta = {"labels": json.dumps(labels), "max_length": d.max_length, "truncation": d.truncation,
             "head_fraction": d.head_fraction, "tokenizer": tokenizer_file.name, "cls_id": CLS_ID, "pad_id": PAD_ID,
-            "version": __version__}
+            "temperature": temperature, "version": __version__}
     onnx.helper.set_model_props(proto, {f"tfm.{k}": str(v) for k, v in meta.items()})
     data = proto.SerializeToString()
     diff = _check(data, model, d.max_length)
@@ -73,12 +78,23 @@ def reference_model(model: CTransformer) -> CTransformer:
     return ref.eval()
 
 
-def _trace(model: CTransformer, max_length: int) -> bytes:
+class Calibrated(torch.nn.Module):
+    """The classifier's logits divided by its calibration temperature (calibration.py)."""
+
+    def __init__(self, model: CTransformer, temperature: float):
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, mask) / self.temperature
+
+
+def _trace(model: Calibrated, max_length: int) -> bytes:
     """The serialized ONNX graph of model(ids, mask) -> logits, batch and length dynamic."""
     from torch.export import Dim
 
     length = min(max_length, 16)
-    ids = torch.randint(CLS_ID + 1, model.encoder.tok_emb.num_embeddings, (2, length))
+    ids = torch.randint(CLS_ID + 1, model.model.encoder.tok_emb.num_embeddings, (2, length))
     mask = torch.ones(2, length, dtype=torch.bool)
     mask[1, length // 2 :] = False
     axes = {0: Dim("batch"), 1: Dim("length", max=max_length)}
@@ -103,12 +119,12 @@ def _quiet():
         logger.setLevel(level)
 
 
-def _check(data: bytes, model: CTransformer, max_length: int) -> float:
+def _check(data: bytes, model: Calibrated, max_length: int) -> float:
     """Largest |logit difference| between the graph in onnxruntime and `model` on rows of mixed lengths
     (the longest one max_length); raises TfmError above CHECK_ATOL."""
     gen = torch.Generator().manual_seed(0)
     lengths = torch.tensor([1, max_length, max(1, max_length // 3), min(max_length, 5)])
-    vocab = model.encoder.tok_emb.num_embeddings
+    vocab = model.model.encoder.tok_emb.num_embeddings
     ids = torch.randint(CLS_ID + 1, vocab, (len(lengths), max_length), generator=gen)
     mask = torch.arange(max_length)[None, :] < lengths[:, None]  # (B, T)
     ids = ids.masked_fill(~mask, PAD_ID)

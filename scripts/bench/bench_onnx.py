@@ -90,6 +90,7 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     import torch
 
     from transformer_cli import evaluate as ev
+    from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.export import OnnxClassifier, export_onnx
     from transformer_cli.runtime import resolve_precision
@@ -104,12 +105,15 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     exported = export_onnx(model_dir, tmp / "model.onnx")
     export_sec = bc.now() - t0
     clf = OnnxClassifier(exported["onnx"], threads=ev.cpu_workers()[1])
-    paths = {f"eager {rt.precision}": lambda: ev.batched_logits(model, enc, batches, rt, len(labels)).numpy(),
+    temperature = saved_temperature(model_dir)  # the graph's logits are divided by it, as evaluate's are
+    paths = {f"eager {rt.precision}": lambda: ev.batched_logits(model, enc, batches, rt, len(labels)).numpy()
+             / temperature,
              "onnxruntime fp32": lambda: onnx_logits(clf, enc, batches)}
     if with_bf16 and rt.amp_dtype is None:
         rt_bf16 = ev.make_runtime("cpu", "fp32")
         rt_bf16.amp_dtype = resolve_precision("bf16", rt_bf16.device)
-        paths["eager bf16 (kernel)"] = lambda: ev.batched_logits(model, enc, batches, rt_bf16, len(labels)).numpy()
+        paths["eager bf16 (kernel)"] = lambda: ev.batched_logits(model, enc, batches, rt_bf16,
+                                                                 len(labels)).numpy() / temperature
     for run in paths.values():  # warm-up: allocator, oneDNN primitives, onnxruntime's arenas
         run()
     times = {path: [] for path in paths}
