@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_cli import NEGATIVE_TEXT, POSITIVE_TEXT, assert_fails_cleanly, json_lines, tfm
 
+from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import PAD_ID
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.explain import display_pieces, faithfulness, integrated_gradients, review_ids
@@ -16,9 +17,10 @@ from transformer_cli.explain import display_pieces, faithfulness, integrated_gra
 pytest.importorskip("captum")
 
 
-def probability(model, ids: torch.Tensor, target: int) -> float:
+def probability(model, ids: torch.Tensor, target: int, temperature: float = 1.0) -> float:
     with torch.no_grad():
-        return model(ids[None], torch.ones(1, len(ids), dtype=torch.bool)).softmax(-1)[0, target].item()
+        logits = model(ids[None], torch.ones(1, len(ids), dtype=torch.bool))
+        return (logits / temperature).softmax(-1)[0, target].item()
 
 
 def test_predict_explain_json_gives_the_models_pieces_and_complete_attributions(trained_dir):
@@ -31,11 +33,13 @@ def test_predict_explain_json_gives_the_models_pieces_and_complete_attributions(
         ids = review_ids(tokenizer, [text], cfg.data)[0]
         assert out["tokens"] == [tokenizer.id_to_token(int(i)) for i in ids[1:]]
         assert len(out["attributions"]) == len(out["tokens"]) and all(np.isfinite(out["attributions"]))
-        # completeness: the attributions add up to p(review) - p(every token [PAD])
-        target = labels.index(out["label"])
+        # completeness: the attributions add up to p(review) - p(every token [PAD]), the probabilities
+        # predict gives (calibrated by the run's temperature)
+        target, temperature = labels.index(out["label"]), saved_temperature(trained_dir)
+        assert temperature != 1.0 and probability(model, ids, target, temperature) == pytest.approx(out["score"])
         baseline = ids.clone()
         baseline[1:] = PAD_ID
-        gap = probability(model, ids, target) - probability(model, baseline, target)
+        gap = probability(model, ids, target, temperature) - probability(model, baseline, target, temperature)
         assert sum(out["attributions"]) == pytest.approx(gap, abs=0.05 * abs(gap) + 0.005)  # IG_TOLERANCE
     assert json_lines(r.stdout)[0]["label"] == "pos"
 

@@ -51,10 +51,12 @@ def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
     return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
 
 
-def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int | None = None) -> tuple[np.ndarray, float]:
+def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int | None = None,
+                         temperature: float = 1.0) -> tuple[np.ndarray, float]:
     """((T,) attributions to the probability of label `target`, [CLS]'s included; the integral's error)
-    for one review's (T,) ids. `model` is a CTransformer in eval mode. `steps` None: IG_STEPS, doubled
-    until the error is within tolerance (see IG_STEPS); a number: exactly that many."""
+    for one review's (T,) ids. `model` is a CTransformer in eval mode; its logits are divided by
+    `temperature` (its calibration) before the softmax. `steps` None: IG_STEPS, doubled until the
+    error is within tolerance (see IG_STEPS); a number: exactly that many."""
     from captum.attr import LayerIntegratedGradients
 
     ids = ids.to(next(model.parameters()).device)[None]  # (1, T)
@@ -63,7 +65,7 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int | Non
     baseline[:, 1:] = PAD_ID  # [CLS] stays: its attribution is 0
 
     def probabilities(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return model(x, m).float().softmax(-1)  # (B, L)
+        return (model(x, m).float() / temperature).softmax(-1)  # (B, L)
 
     ig = LayerIntegratedGradients(probabilities, model.encoder.tok_emb)
     n = steps or IG_STEPS
@@ -78,8 +80,9 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int | Non
         n *= 2
 
 
-def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int | None = None) -> Explained:
-    attr, delta = integrated_gradients(model, ids, target, steps)
+def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int | None = None,
+                temperature: float = 1.0) -> Explained:
+    attr, delta = integrated_gradients(model, ids, target, steps, temperature)
     tokens = [tokenizer.id_to_token(int(i)) for i in ids[1:]]
     return Explained(tokens, [float(a) for a in attr[1:]], delta)
 
@@ -87,13 +90,15 @@ def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int | N
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
                   steps: int | None = None) -> list[Explained]:
     """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
+    from transformer_cli.calibration import saved_temperature
     from transformer_cli.evaluate import load_for_inference
 
     _, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
     if cfg.model.ngram_buckets:
         raise TfmError("explanations need the transformer alone; this model adds an n-gram path "
                        "(model.ngram_buckets > 0), whose scores do not go through the token embeddings")
-    return [explain_ids(model, tokenizer, ids, labels.index(p["label"]), steps)
+    temperature = saved_temperature(model_dir)  # the probabilities predict_texts gave
+    return [explain_ids(model, tokenizer, ids, labels.index(p["label"]), steps, temperature)
             for ids, p in zip(review_ids(tokenizer, texts, cfg.data), predictions)]
 
 
