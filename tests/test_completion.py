@@ -15,16 +15,22 @@ from conftest import REPO
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def run_tfm(*args: str, env: dict | None = None, code: str = "") -> subprocess.CompletedProcess:
-    """`tfm ARGS` in a fresh Python (as the console script runs it); `code` runs at its exit."""
+def run_tfm(*args: str, env: dict | None = None, code: str = "", under_bash: bool = False) -> subprocess.CompletedProcess:
+    """`tfm ARGS` in a fresh Python (as the console script runs it); `code` runs at its exit. `under_bash`:
+    as a child of bash, since typer finds the user's shell among the process's ancestors (shellingham),
+    which a test runner need not have."""
     program = ("import atexit, sys\n" + (f"atexit.register(lambda: {code})\n" if code else "")
                + "from transformer_cli.cli import main\nsys.argv[0] = 'tfm'\nmain()\n")
-    return subprocess.run([sys.executable, "-c", program, *args], capture_output=True, text=True, cwd=REPO,
+    cmd = [sys.executable, "-c", program, *args]
+    if under_bash:
+        cmd = ["bash", "-c", '"$@"; exit $?', "bash", *cmd]  # not exec'd: bash stays the parent
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
                           timeout=120, env={**os.environ, **(env or {})}, check=False)
 
 
+@needs_bash
 def test_show_completion_prints_a_bash_script():
-    r = run_tfm("--show-completion", "bash", env={"SHELL": "/bin/bash"})
+    r = run_tfm("--show-completion", env={"SHELL": "/bin/bash"}, under_bash=True)
     assert r.returncode == 0, r.stderr
     assert "_tfm_completion()" in r.stdout and "_TFM_COMPLETE=complete_bash" in r.stdout
     assert "complete -o default -F _tfm_completion tfm" in r.stdout
@@ -53,7 +59,7 @@ def test_install_completion_installs_a_script_that_completes(tmp_path):
     shim.write_text(f"#!/bin/sh\nexec '{sys.executable}' -m transformer_cli \"$@\"\n")
     shim.chmod(0o755)
     env = {"HOME": str(home), "SHELL": "/bin/bash", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    r = run_tfm("--install-completion", env=env)
+    r = run_tfm("--install-completion", env=env, under_bash=True)
     assert r.returncode == 0, r.stderr
     script = home / ".bash_completions" / "tfm.sh"
     assert "bash completion installed in" in r.stdout and script.is_file()
