@@ -84,7 +84,7 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatc
     assert parse_args([]).variants[:3] == ["a", "b", "c"]
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_train.py"), "--mode", "synthetic", "--d-model", "16",
-           "--heads", "2", "--layers", "1", "--seq-len", "64", "--vocab", "100", "--batch-size", "4", "--steps", "2",
+           "--heads", "2", "--layers", "1", "--seq-len", "256", "--vocab", "100", "--batch-size", "4", "--steps", "2",
            "--warmup", "1", "--threads", "1", "--variants", "a,a_ngrams_lazy,a_foreach,a_h1,a_fp32,b",
            "--json", str(out)]
     done = run(cmd)
@@ -97,11 +97,12 @@ def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatc
     assert [r["heads"] for r in rows] == [2, 2, 2, 1, 2, 2]
     auto = Runtime(torch.device("cpu"), resolve_precision("auto", torch.device("cpu"))).precision  # as tfm train
     assert [r["precision"] for r in rows] == [auto] * 4 + ["fp32", "fp32"]
-    # word dropout 0.7 keeps about 19 of 64 tokens: (a) runs 32 columns, (b) all 64, and each row's
-    # FLOPs are those of the columns it ran
-    assert [r["width"] for r in rows] == [32] * 5 + [64]
-    assert rows[0]["flops"] == pytest.approx(3 * 2 * forward_flops(16, 1, 4, 4, 32))
-    assert rows[-1]["flops"] == mode["flops"] == pytest.approx(3 * 2 * forward_flops(16, 1, 4, 4, 64))
+    # the default's word dropout (0.5) keeps about 128 of 256 tokens: (a) runs the columns `compact`
+    # leaves, (b) all 256, and each row's FLOPs are those of the columns it ran
+    widths = [r["width"] for r in rows]
+    assert all(w < 256 for w in widths[:5]) and widths[5] == 256
+    assert rows[0]["flops"] == pytest.approx(3 * 2 * forward_flops(16, 1, 4, 4, widths[0]))
+    assert rows[-1]["flops"] == mode["flops"] == pytest.approx(3 * 2 * forward_flops(16, 1, 4, 4, 256))
     peaks = mode["matmul_peaks"]  # each row's % peak is of the matmul peak in its own precision
     assert set(peaks) == {"fp32", auto} and {p["dtype"] for p in peaks.values()} == {f"torch.{d}" for d in (
         "float32", "bfloat16" if auto == "bf16" else "float32")}
@@ -284,9 +285,10 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"tfm", "straight"}
+    assert set(rows) == {"tfm", "straight", "electra"}
     assert rows["straight"]["vs_straight"] == 1.0
-    assert rows["tfm"]["vs_straight"] == pytest.approx(rows["tfm"]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
+    for name in ("tfm", "electra"):
+        assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
     for r in rows.values():  # each row's share of the peak measured in the same run
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
     # the straightforward step scores every position, so it does more FLOPs than tfm's for the same tokens

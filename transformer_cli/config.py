@@ -110,7 +110,7 @@ class ModelConfig(_Section):
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
-    token_dropout: float = 0.7  # training only: share of tokens hidden from the transformer (like padding)
+    token_dropout: float = 0.5  # training only: share of tokens hidden from the transformer (like padding)
     pooling: Literal["max", "mean", "first"] = "mean"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
@@ -183,7 +183,7 @@ class DataConfig(_Section):
 class TrainConfig(_Section):
     _name = "train"
     output_dir: str = "runs/tfm"
-    epochs: int = 1
+    epochs: int = 3
     max_steps: int | None = None  # stop after this many optimizer steps, whatever the epochs
     batch_size: int = 32  # examples per optimizer step, summed over processes and accumulation
     grad_accum_steps: int = 1
