@@ -126,7 +126,8 @@ def untrained_model_dir(config_path: Path, args, where: Path) -> Path:
 
     overrides = {"data.source": args.data}
     if args.max_train_samples:
-        overrides.update({"data.max_train_samples": args.max_train_samples, "data.max_eval_samples": 1})
+        # a small validation sample (it is not used), large enough to hold every class, as training requires
+        overrides.update({"data.max_train_samples": args.max_train_samples, "data.max_eval_samples": 64})
     cfg = load_config(config_path, overrides)
     t0 = bc.now()
     prepared = prepare_train_data(cfg.data, cfg.train.seed)  # trains (or loads) the tokenizer

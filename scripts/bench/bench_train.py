@@ -365,8 +365,8 @@ def imdb_batches(args, n: int) -> tuple[list[Batch], int, str]:
     from transformer_cli.config import DataConfig
     from transformer_cli.data import BucketSampler, collate, prepare_train_data
 
-    cfg = DataConfig(source=args.data, vocab_size=args.vocab, max_length=args.seq_len,
-                     max_train_samples=args.max_train_samples, max_eval_samples=1)
+    cfg = DataConfig(source=args.data, vocab_size=args.vocab, max_length=args.seq_len,  # validation unused: small,
+                     max_train_samples=args.max_train_samples, max_eval_samples=64)  # with every class in it
     t0 = bc.now()
     data = prepare_train_data(cfg, args.seed)
     prep = bc.now() - t0
