@@ -71,7 +71,7 @@ def assert_matches_predict(model_dir, onnx_path, texts) -> None:
 def test_export_of_the_trained_model_gives_predicts_probabilities(trained_dir, tmp_path):
     out = tmp_path / "deploy" / "tiny.onnx"
     assert_matches_predict(trained_dir, out, mixed_texts(30, seed=3, long_words=120))
-    meta = OnnxClassifier(out).session.get_modelmeta().custom_metadata_map
+    meta = OnnxClassifier(out).runner.get_modelmeta().custom_metadata_map
     assert meta["tfm.tokenizer"] == "tiny.tokenizer.json" and (tmp_path / "deploy" / "tiny.tokenizer.json").is_file()
     assert json.loads(meta["tfm.labels"]) == ["neg", "pos"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["tiny.onnx", "tiny.tokenizer.json"]  # no temp files

@@ -131,7 +131,7 @@ def _check(data: bytes, model: Calibrated, max_length: int) -> float:
     ids[:, 0] = CLS_ID
     with torch.inference_mode():
         expected = model(ids, mask).float().numpy()
-    got = _session(data).run([OUTPUT], {"ids": ids.numpy(), "mask": mask.numpy()})[0]
+    got = _ort_runner(data).run([OUTPUT], {"ids": ids.numpy(), "mask": mask.numpy()})[0]
     diff = float(np.abs(got - expected).max())
     if not diff <= CHECK_ATOL:
         raise TfmError(f"the exported graph's logits differ from the model's by {diff:.2g} (over {CHECK_ATOL}); "
@@ -139,7 +139,7 @@ def _check(data: bytes, model: Calibrated, max_length: int) -> float:
     return diff
 
 
-def _session(model: bytes | str | Path, threads: int | None = None):
+def _ort_runner(model: bytes | str | Path, threads: int | None = None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -171,8 +171,8 @@ class OnnxClassifier:
         if not path.is_file():
             raise TfmError(f"ONNX file '{path}' does not exist; create it with `tfm export`")
         try:
-            self.session = _session(path, threads)
-            meta = self.session.get_modelmeta().custom_metadata_map
+            self.runner = _ort_runner(path, threads)
+            meta = self.runner.get_modelmeta().custom_metadata_map
             self.labels = json.loads(meta["tfm.labels"])
             self.max_length, self.truncation = int(meta["tfm.max_length"]), meta["tfm.truncation"]
             self.head_fraction = float(meta["tfm.head_fraction"])
@@ -192,7 +192,7 @@ class OnnxClassifier:
 
     def logits(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """(B, num_labels) float32 logits of one padded batch."""
-        return self.session.run([OUTPUT], {"ids": ids.astype(np.int64), "mask": mask.astype(bool)})[0]
+        return self.runner.run([OUTPUT], {"ids": ids.astype(np.int64), "mask": mask.astype(bool)})[0]
 
     def proba(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """(N, num_labels) probabilities in the order of `texts`, batched by length as predict batches."""

@@ -5,7 +5,7 @@ recipe's runs/tfm and configs/seed.toml), on the same --texts reviews of --data,
 into the batches `tfm evaluate` runs (evaluate.batches_for: sorted by length, eval_batch_size
 reviews, the CPU token budget):
   eager   evaluate.batched_logits: the model in the precision `tfm evaluate` picks, its CPU workers
-  onnx    the exported graph in onnxruntime, one session run by as many workers with as many
+  onnx    the exported graph in onnxruntime, one runner used by as many workers with as many
           intra-op threads each (evaluate.cpu_workers)
 interleaved over --repeats rounds (median reviews/s), with the largest logit difference between the two.
 
