@@ -263,8 +263,9 @@ class Classification:
     prefix = "train"
 
     def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int,
-                 select_metric: str = "accuracy"):
+                 select_metric: str = "accuracy", tokenizer=None):
         self.train, self.val, self.labels = train, val, labels
+        self.tokenizer = tokenizer  # the run's, to show validation reviews as text (TensorBoard pictures)
         self.label_smoothing, self.eval_batch_size = label_smoothing, eval_batch_size
         self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
@@ -561,7 +562,7 @@ def validate(run: Run, logger: Logger) -> dict:
         m, tags, score = run.task.evaluate(run)
         if isinstance(run.task, Classification) and logger.writer is not None:
             tb_pictures.log_validation(logger.writer, run.state.step, m, run.task.val_logits, run.task.val,
-                                       run.task.labels, load_tokenizer(run.out))
+                                       run.task.labels, run.task.tokenizer)
         st = run.state
         weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
         if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
@@ -788,7 +789,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if tc.init_from and resume_dir is None:
         load_encoder(model.encoder, Path(tc.init_from))
     task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size,
-                          tc.select_metric or "accuracy")
+                          tc.select_metric or "accuracy", data.tokenizer)
     files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
@@ -859,7 +860,7 @@ def finish(run: Run, logger: Logger) -> dict:
         metrics["calibration"] = calibrate(run, logger)
         temperature = metrics["calibration"]["temperature"]
     if tc.test_at_end:
-        test = prepare_eval_data(run.cfg.data, load_tokenizer(run.out), "test", run.cfg.data.max_eval_samples,
+        test = prepare_eval_data(run.cfg.data, task.tokenizer, "test", run.cfg.data.max_eval_samples,
                                  label_names=task.labels)
         metrics["test"], _ = evaluate_scaled(run.model, test, run.rt, tc.eval_batch_size, len(task.labels), task.labels,
                                              temperature)
@@ -869,7 +870,7 @@ def finish(run: Run, logger: Logger) -> dict:
     if "test" in metrics:
         final["hparam/test_accuracy"] = metrics["test"]["accuracy"]
     logger.hparams(hp, final, st.step)
-    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, load_tokenizer(run.out))
+    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, task.tokenizer)
     if run.rt.is_main:
         write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
