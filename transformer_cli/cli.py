@@ -346,7 +346,6 @@ def evaluate(
         typer.echo(json.dumps(m))
         return
     typer.echo(evaluation_report(m))
-    typer.echo(f"  {'ece':<10} {m['ece']:.4f} (temperature {m['temperature']:.3f})")
     if report is not None:
         typer.echo(f"report: {report / 'report.html'}")
 
@@ -408,6 +407,8 @@ def evaluation_report(m: dict) -> str:
     lines.append(f"  {'':<{width}}  " + "  ".join(f"{name:>{cell}}" for name in labels))
     for name, row in zip(labels, m["confusion_matrix"]):
         lines.append(f"  {name:<{width}}  " + "  ".join(f"{n:>{cell}}" for n in row))
+    if "ece" in m:  # evaluate_checkpoint's, with the calibration temperature it applied
+        lines.append(f"  {'ece':<10} {m['ece']:.4f} (temperature {m['temperature']:.3f})")
     return "\n".join(lines)
 
 
