@@ -1,10 +1,9 @@
 """Explanation time against a plain prediction, for one review at configs/seed.toml's sizes.
 
 A plain prediction is one forward pass of the review (inference mode); an explanation is what
-`tfm predict --explain` adds per review: integrated gradients (transformer_cli.explain), 16
-Gauss-Legendre nodes and more where the integral misses. The model is randomly initialised (the
-time does not depend on the weights, except where the adaptive steps double) and the review is
-max_length tokens long. Both are timed in the same run, alternating; the ratio of medians is the
+`tfm predict --explain` adds per review: integrated gradients (transformer_cli.explain) at the
+default of IG_STEPS Gauss-Legendre nodes, or --steps. The model is randomly initialised (the time
+does not depend on the weights) and the review is max_length tokens long. Both are timed in the same run, alternating; the ratio of medians is the
 figure (target: at most 10x).
 
     OMP_NUM_THREADS=1 python scripts/bench/bench_explain.py --threads 1
@@ -23,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=None, help="integration nodes (default: IG_STEPS)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     set_threads(args.threads)
@@ -30,7 +30,7 @@ def main() -> None:
     print_header("explanation vs plain prediction, one review, configs/seed.toml sizes", info)
 
     from transformer_cli.config import load_config
-    from transformer_cli.explain import integrated_gradients
+    from transformer_cli.explain import IG_STEPS, integrated_gradients
     from transformer_cli.summary import model_from_config
 
     torch.manual_seed(0)
@@ -45,23 +45,24 @@ def main() -> None:
             return int(model(ids[None], mask).argmax())
 
     target = predict()
+    steps = args.steps or IG_STEPS
     for _ in range(3):  # warm-up
         predict()
-        integrated_gradients(model, ids, target)
+        integrated_gradients(model, ids, target, steps)
     plain, explained = [], []
     for _ in range(args.repeats):
         t0 = now()
         predict()
         plain.append(now() - t0)
         t0 = now()
-        integrated_gradients(model, ids, target)
+        integrated_gradients(model, ids, target, steps)
         explained.append(now() - t0)
     p, e = statistics.median(plain), statistics.median(explained)
-    print(f"review of T = {T} tokens; median of {args.repeats}")
+    print(f"review of T = {T} tokens, {steps} nodes; median of {args.repeats}")
     print(f"plain prediction  {p * 1e3:8.2f} ms")
     print(f"explanation       {e * 1e3:8.2f} ms")
     result = check("explanation / plain prediction", e / p, 10.0, "x", higher_is_better=False)
-    write_json(args.json, {"hardware": info, "tokens": T, "plain_ms": p * 1e3, "explain_ms": e * 1e3,
+    write_json(args.json, {"hardware": info, "tokens": T, "steps": steps, "plain_ms": p * 1e3, "explain_ms": e * 1e3,
                            "ratio": e / p, "check": result})
 
 
