@@ -66,8 +66,35 @@ def test_batch_plan_covers_every_example_once_within_its_limits(batch_size, max_
         assert 1 <= len(idx) <= batch_size
         if max_tokens is not None and len(idx) > 1:
             assert len(idx) * lengths[idx].max() <= max_tokens
-    if max_tokens is None or max_tokens >= batch_size * lengths.max():
+    if max_tokens is None:
         assert [len(b) for b in plan[:-1]] == [batch_size] * (len(plan) - 1)  # plain fixed-size batches
+
+
+def plan_cost(lengths: np.ndarray, plan: list[np.ndarray]) -> int:
+    return sum(len(idx) * int(lengths[idx].max()) + ev.BATCH_CALL_TOKENS for idx in plan)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_batch_plan_with_a_token_budget_costs_the_least_of_all_cuts(seed):
+    """Against every way of cutting the sorted rows into batches within the limits."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, size=int(rng.integers(1, 9)))
+    batch_size, max_tokens = int(rng.integers(1, 6)), int(rng.integers(100, 900))
+    s = np.sort(lengths)
+
+    def best(j: int) -> float:  # the cheapest cost of the j shortest rows, by brute force
+        if j == 0:
+            return 0
+        return min(best(j - k) + k * int(s[j - 1]) + ev.BATCH_CALL_TOKENS
+                   for k in range(1, min(batch_size, j) + 1) if k == 1 or k * s[j - 1] <= max_tokens)
+
+    assert plan_cost(lengths, ev.batch_plan(lengths, batch_size, max_tokens)) == best(len(s))
+
+
+def test_batch_plan_puts_scattered_lengths_in_short_batches():
+    lengths = np.array([500, 12, 10, 11, 9, 10, 13, 480])
+    plan = ev.batch_plan(lengths, 64, 10**6)
+    assert [sorted(idx.tolist()) for idx in plan] == [[1, 2, 3, 4, 5, 6], [0, 7]]  # not one batch padded to 500
 
 
 def test_batch_plan_fills_batches_up_to_the_token_budget():

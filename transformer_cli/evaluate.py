@@ -4,7 +4,8 @@ and `tfm predict`.
 Batching: examples are sorted by length, so that a batch holds reviews of similar length and
 little padding, and cut into batches of at most `batch_size` reviews. On the CPU a batch also
 holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread (reviews x longest review, before
-`collate` rounds the width up), so that its activations stay in the core's caches. The CPU's
+`collate` rounds the width up), so that its activations stay in the core's caches, and the cuts
+are placed where padding plus a forward pass's own cost is least (`batch_plan`). The CPU's
 torch threads are split between up to `CPU_WORKERS` workers, each running whole batches on its
 share, rather than all threads sharing each small operation; the cap keeps the workers' Python
 work, serialised by the GIL, small beside their batches on many cores. Logits are gathered in
@@ -14,6 +15,7 @@ input order into one tensor, and loss, confusion matrix and probabilities are co
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +34,7 @@ from transformer_cli.model import CTransformer
 from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
+BATCH_CALL_TOKENS = 64  # a forward pass's own cost (Python, dispatch) in padded tokens' worth of work
 CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
 
 
@@ -51,21 +54,29 @@ def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime) -> list[np.ndarray]
 
 
 def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
-    """Indices sorted by length (stable), cut into batches of at most `batch_size` rows and, with
-    `max_tokens`, at most `max_tokens` padded tokens (a single longer row gets a batch of its own)."""
+    """Indices sorted by length (stable), cut into batches of at most `batch_size` rows. Without
+    `max_tokens`: batches of exactly `batch_size` (the last one shorter). With it (the CPU): at most
+    `max_tokens` padded tokens a batch (a single longer row gets a batch of its own), cut where the
+    padded tokens plus BATCH_CALL_TOKENS a batch add up to the least. A few reviews of scattered
+    lengths, as `tfm serve` gets them, then go in several short batches rather than one padded to the
+    longest review; on a whole split the batches come out as full as the limits allow."""
     order = np.argsort(lengths, kind="stable")
     if not max_tokens:
         return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    sorted_lengths = lengths[order]
+    s = lengths[order]
+    n = len(s)
+    cost = np.zeros(n + 1)  # cost[j]: of the best plan for the j shortest rows
+    start = np.zeros(n + 1, dtype=np.int64)  # where that plan's last batch starts
     rows = np.arange(1, batch_size + 1)
-    batches, start = [], 0
-    while start < len(order):
-        k = min(batch_size, len(order) - start)
-        padded = rows[:k] * sorted_lengths[start : start + k]  # tokens of the first j rows, non-decreasing
-        k = max(1, int(np.searchsorted(padded, max_tokens, side="right")))
-        batches.append(order[start : start + k])
-        start += k
-    return batches
+    for j, longest in enumerate(s.tolist(), 1):  # the last batch: rows j - k .. j - 1, padded to `longest`
+        most = max(1, min(batch_size, j, max_tokens // max(longest, 1)))
+        total = cost[j - most : j][::-1] + rows[:most] * longest  # (most,): for k = 1 .. most
+        k = int(np.argmin(total)) + 1
+        cost[j], start[j] = total[k - 1] + BATCH_CALL_TOKENS, j - k
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(int(start[cuts[-1]]))
+    return [order[i:j] for i, j in itertools.pairwise(reversed(cuts))]
 
 
 def batches_for(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
@@ -86,6 +97,8 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
     if workers > 1 and len(batches) > 1:
+        # the longest batches first, so that the workers end together (longest processing time first)
+        batches = sorted(batches, key=lambda idx: -len(idx) * int(enc.lengths[idx].max()))
         with torch_threads(per_worker):  # torch's thread count is per thread: each worker sets its own
             pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
             try:
