@@ -650,6 +650,21 @@ def test_resume_refuses_a_malicious_state_pt(synthetic_data_dir, trained_copy, t
     assert (latest / ckpt.COMPLETE).is_file()  # nothing was deleted or rewritten in its place
 
 
+def test_resume_refuses_optimizer_state_saved_for_other_parameters(synthetic_data_dir, trained_copy):
+    """State saved in another order of parameters (another version of the model) is one line, exit 1."""
+    latest = ckpt.checkpoint_dirs(trained_copy)[-1]
+    tensors = torch.load(latest / "state.pt", weights_only=True)
+    state = tensors["optimizer"]["state"]
+    shapes = {i: s["exp_avg"].shape for i, s in state.items()}
+    a = next(iter(shapes))
+    b = next(i for i in shapes if shapes[i] != shapes[a])
+    state[a], state[b] = state[b], state[a]
+    torch.save(tensors, latest / "state.pt")
+    result = cli(*train_args(synthetic_data_dir, trained_copy), "train.keep_checkpoints=100", "--resume")
+    assert_one_line_error(result, 1, "does not fit this model/optimizer", "optimizer state 'exp_avg'")
+    assert (latest / ckpt.COMPLETE).is_file()
+
+
 def test_malicious_pickle_as_weights_is_refused(synthetic_data_dir, trained_copy, tmp_path):
     marker = tmp_path / "pwned"
     (trained_copy / ckpt.MODEL_FILE).write_bytes(evil_bytes(marker, "pickle"))

@@ -736,6 +736,7 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         # group's lr_scale) stay this run's, which differ from the checkpoint's only under --force.
         settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         optimizer.load_state_dict(tensors["optimizer"])
+        _check_optimizer_state(optimizer)
         for group, own in zip(optimizer.param_groups, settings, strict=True):
             group.update(own)
         scaler.load_state_dict(tensors["scaler"])
@@ -747,6 +748,18 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
         raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
     return TrainState.from_json(train_json["state"])
+
+
+def _check_optimizer_state(optimizer) -> None:
+    """load_state_dict pairs the saved state with the parameters by position and checks only the
+    groups' sizes: state saved for another order of parameters (another version of the model) must
+    fail here, as one line, not inside the optimizer's kernel."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, t in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(t) and t.dim() > 0 and t.shape != p.shape:
+                    raise ValueError(f"optimizer state '{name}' of shape {tuple(t.shape)} for a parameter of "
+                                     f"shape {tuple(p.shape)}")
 
 
 def load_encoder(encoder: torch.nn.Module, model_dir: Path) -> None:
