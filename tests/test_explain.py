@@ -71,6 +71,19 @@ def test_attributions_converge_with_more_steps(trained_dir):
     assert errors[0] > errors[1] > errors[2] and errors[2] < 0.1 * np.abs(fine).max()
 
 
+def test_nodes_in_several_passes_equal_one_pass(trained_dir, monkeypatch):
+    from transformer_cli import explain
+
+    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    ids = review_ids(tokenizer, [NEGATIVE_TEXT], cfg.data)[0]
+    steps = 3 * explain.IG_BATCH + 1  # four passes, the last of one node
+    chunked, delta = integrated_gradients(model, ids, 0, steps=steps)
+    monkeypatch.setattr(explain, "IG_BATCH", steps)
+    whole, whole_delta = integrated_gradients(model, ids, 0, steps=steps)
+    np.testing.assert_allclose(chunked, whole, atol=1e-7)
+    assert delta == pytest.approx(whole_delta, abs=1e-7)
+
+
 def test_hiding_the_most_attributed_tokens_lowers_the_probability_more_than_random_ones(trained_dir, test_rows):
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
     texts = [row["text"] for row in test_rows[:40]]
