@@ -285,12 +285,12 @@ def predict(
     ig_steps: IgSteps = None,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
+    if ig_steps is not None and not explain:
+        raise UsageError("--ig-steps sets how --explain integrates; add --explain")
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 
     results = predict_texts(checkpoint, inputs, device, batch_size, precision)
-    if ig_steps is not None and not explain:
-        raise UsageError("--ig-steps sets how --explain integrates; add --explain")
     explained = _explanations(checkpoint, inputs, results, device, ig_steps) if explain else [None] * len(inputs)
     for text, r, e in zip(inputs, results, explained):
         if as_json:

@@ -59,7 +59,8 @@ def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = No
     `max_tokens` padded tokens a batch (a single longer row gets a batch of its own), cut where the
     padded tokens plus BATCH_CALL_TOKENS a batch add up to the least. A few reviews of scattered
     lengths, as `tfm serve` gets them, then go in several short batches rather than one padded to the
-    longest review; on a whole split the batches come out as full as the limits allow."""
+    longest review; on a whole split, where neighbours have nearly equal lengths, the batches come out
+    nearly as full as the limits allow."""
     order = np.argsort(lengths, kind="stable")
     if not max_tokens:
         return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

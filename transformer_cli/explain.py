@@ -5,8 +5,8 @@ integrated along the straight path from a baseline, where every token of the rev
 embedding the model never reads at a real position: padding is masked), to the review; [CLS] and
 the positions stay as they are. A token's attribution is the sum over its embedding's components,
 and the attributions add up to p(review) - p(baseline) as the integral converges. The path's
-embeddings replace the lookup's output through a forward hook, and all its nodes go through the
-model in one batch. Written here rather than with captum's LayerIntegratedGradients, which runs the
+embeddings replace the lookup's output through a forward hook, and its nodes go through the model
+IG_BATCH at a time. Written here rather than with captum's LayerIntegratedGradients, which runs the
 model four more times per review (twice to record the layer's outputs at the review and the
 baseline, twice for the convergence delta): more than the path itself at IG_STEPS nodes. The tokens
 are the tokenizer's pieces of the review as the model read it (truncated as in training), without
