@@ -3,8 +3,8 @@
 A plain prediction is one forward pass of the review (inference mode); an explanation is what
 `tfm predict --explain` adds per review: integrated gradients (transformer_cli.explain) at the
 default of IG_STEPS Gauss-Legendre nodes, or --steps. The model is randomly initialised (the time
-does not depend on the weights) and the review is max_length tokens long. Both are timed in the same run, alternating; the ratio of medians is the
-figure (target: at most 10x).
+does not depend on the weights) and the review is max_length tokens long. Both are timed in the
+same run, alternating; the ratio of medians is the figure (target: at most 10x).
 
     OMP_NUM_THREADS=1 python scripts/bench/bench_explain.py --threads 1
 """
