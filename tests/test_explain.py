@@ -13,6 +13,7 @@ from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import PAD_ID
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.explain import IG_STEPS, display_pieces, faithfulness, integrated_gradients, review_ids
+from transformer_cli.model import CTransformer
 
 
 def probability(model, ids: torch.Tensor, target: int, temperature: float = 1.0) -> float:
@@ -61,14 +62,28 @@ def test_attributions_add_up_to_the_change_of_probability_with_enough_steps(trai
 
 
 def test_attributions_converge_with_more_steps(trained_dir):
-    """The error of the integral (against 1,024 nodes) shrinks as the nodes grow. The tiny model's path
-    is sharp (it is trained hard on a few signal words): it needs far more nodes than IMDB's models."""
+    """Gauss-Legendre nodes converge fast on a smooth path: a freshly initialised model's error (against
+    1,024 nodes) falls several-fold with each doubling, to float noise by 8 nodes."""
+    model, cfg, tokenizer, labels = load_model_dir(trained_dir)
+    torch.manual_seed(0)
+    fresh = CTransformer(cfg.model, tokenizer.get_vocab_size(), model.encoder.max_length, len(labels)).eval()
+    ids = review_ids(tokenizer, [NEGATIVE_TEXT], cfg.data)[0]
+    fine, fine_delta = integrated_gradients(fresh, ids, 0, steps=1024)
+    scale = np.abs(fine).max()
+    assert abs(fine_delta) < 1e-3 * abs(baseline_gap(fresh, ids, 0))
+    errors = [np.abs(integrated_gradients(fresh, ids, 0, steps=n)[0] - fine).max() / scale for n in (1, 2, 4, 8)]
+    assert errors[0] > 2 * errors[1] > 4 * errors[2] and errors[3] < 1e-3
+
+
+def test_a_sharp_path_needs_many_nodes_but_converges(trained_dir):
+    """The tiny trained model is trained hard on a few signal words, so its path is sharp: few nodes can be
+    far off (how far depends on the run), but 256 nodes agree with 1,024."""
     model, cfg, tokenizer, _ = load_model_dir(trained_dir)
     ids = review_ids(tokenizer, [NEGATIVE_TEXT], cfg.data)[0]
     fine, fine_delta = integrated_gradients(model, ids, 0, steps=1024)
     assert abs(fine_delta) < 1e-3 * abs(baseline_gap(model, ids, 0))
-    errors = [np.abs(integrated_gradients(model, ids, 0, steps=n)[0] - fine).max() for n in (2, 16, 128)]
-    assert errors[0] > errors[1] > errors[2] and errors[2] < 0.1 * np.abs(fine).max()
+    error = np.abs(integrated_gradients(model, ids, 0, steps=256)[0] - fine).max()
+    assert error < 0.05 * np.abs(fine).max()
 
 
 def test_nodes_in_several_passes_equal_one_pass(trained_dir, monkeypatch):
