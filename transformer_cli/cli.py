@@ -352,6 +352,34 @@ def evaluate(
         typer.echo(f"report: {report / 'report.html'}")
 
 
+@app.command("pseudo-label")
+def pseudo_label(
+    checkpoints: Annotated[list[Path], typer.Option(
+        "--checkpoint", "-c", metavar="DIR",
+        help="Output directory of `tfm train`: a teacher. Repeat it to average several.")],
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="FILE",
+                                         help="The .jsonl file to write (text, label, score).")],
+    data: Annotated[str | None, typer.Option(
+        help="Dataset whose split to label; default: the one the first teacher was trained on.",
+        show_default=False)] = None,
+    split: Annotated[str, typer.Option(help="Split to label (its labels, if any, are not read).")] = "unsupervised",
+    max_samples: Annotated[int | None, typer.Option(min=1, help="Label a seeded random subset of this size.",
+                                                    show_default=False)] = None,
+    device: Device = "auto",
+    batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+    precision: InferPrecision = None,
+) -> None:
+    """Label unlabelled reviews with trained models, for self-training: `tfm train data.pseudo_labels=FILE`."""
+    if output.suffix.lower() != ".jsonl":
+        raise UsageError(f"--output '{output}': name a .jsonl file")
+    from transformer_cli.pseudo import pseudo_label as run_pseudo_label  # imports torch
+
+    r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision)
+    counts = ", ".join(f"{n} {name}" for name, n in r["per_class"].items())
+    typer.echo(f"wrote {output}: {r['reviews']} reviews ({counts}), median score {r['score_quantiles'][0.5]:.3f} "
+               f"({r['seconds']:.0f} s)")
+
+
 @app.command("export")
 def export_(
     checkpoint: Ckpt = Path("runs/tfm"),

@@ -156,6 +156,8 @@ class DataConfig(_Section):
     head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    pseudo_labels: str | None = None  # a `tfm pseudo-label` file whose reviews join the training part
+    pseudo_min_score: float = 0.0  # of those, only the ones labelled with at least this probability
     cache_dir: str | None = None  # default: $TFM_CACHE or ~/.cache/transformer_cli
 
     def validate(self) -> None:
@@ -177,6 +179,10 @@ class DataConfig(_Section):
         for name in ("max_train_samples", "max_eval_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
+        if self.pseudo_labels is not None and not self.pseudo_labels:
+            self._fail("pseudo_labels", "must name a file written by `tfm pseudo-label` (or be unset)")
+        if not 0.0 <= self.pseudo_min_score < 1.0:
+            self._fail("pseudo_min_score", "must be a probability in [0, 1)")
 
 
 @dataclass(frozen=True)

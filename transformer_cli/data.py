@@ -14,7 +14,7 @@ import json
 import re
 import tarfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -661,10 +661,34 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     return train, val, label_names, val_split
 
 
+def read_pseudo_labels(cfg: DataConfig, label_names: list[str], held_out: RawSplit) -> RawSplit:
+    """The reviews of `tfm pseudo-label`'s file `cfg.pseudo_labels` labelled with a score of at least
+    `cfg.pseudo_min_score`, less any that are in `held_out` (validation stays unseen)."""
+    path = cfg.pseudo_labels
+    if not Path(path).is_file():
+        raise UsageError(f"data.pseudo_labels = '{path}' is not a file; write one with `tfm pseudo-label`")
+    if Path(path).suffix.lower() not in (".jsonl", ".json"):
+        raise UsageError(f"data.pseudo_labels = '{path}': expected the .jsonl file that `tfm pseudo-label` writes")
+    d = open_dataset_files({"train": path})["train"]
+    if "score" not in d.column_names:
+        raise TfmError(f"'{path}' has no column 'score' (columns: {', '.join(d.column_names)}); "
+                       "write it with `tfm pseudo-label`")
+    rows, _ = _one_split(d, replace(cfg, text_column="text", label_column="label"), "train", path, label_names)
+    scores = np.asarray(d["score"], dtype=np.float64)
+    if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
+        raise TfmError(f"'{path}' has scores outside [0, 1]; write it with `tfm pseudo-label`")
+    seen = set(held_out.texts)
+    keep = [i for i, (t, s) in enumerate(zip(rows.texts, scores)) if s >= cfg.pseudo_min_score and t not in seen]
+    return rows.subset(np.asarray(keep, dtype=np.int64))
+
+
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
-    """Load train and the validation split (train_val_splits), train the tokenizer (unless one is given),
-    encode both."""
+    """Load train and the validation split (train_val_splits), add the pseudo-labelled reviews to train
+    (data.pseudo_labels), train the tokenizer (unless one is given), encode both."""
     train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
+    if cfg.pseudo_labels is not None:
+        extra = read_pseudo_labels(cfg, label_names, val_raw)
+        train_raw = RawSplit(train_raw.texts + extra.texts, np.concatenate([train_raw.labels, extra.labels]))
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw.texts, len(train_raw), cfg, train_fp)
     return Prepared(

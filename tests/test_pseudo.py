@@ -1,0 +1,134 @@
+"""Self-training: `tfm pseudo-label` and `tfm train data.pseudo_labels=FILE`."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import CONFIGS, make_examples, read_jsonl, write_jsonl
+from test_cli import assert_fails_cleanly, json_lines, tfm
+
+from transformer_cli.config import DataConfig
+from transformer_cli.data import prepare_train_data, train_val_splits
+from transformer_cli.errors import TfmError
+
+
+@pytest.fixture(scope="module")
+def unlabelled(synthetic_data_dir, tmp_path_factory) -> tuple[str, list[str]]:
+    """(a data source with the synthetic train split and an `unsupervised` one of 60 reviews without
+    labels, those reviews)."""
+    texts = [row["text"] for row in make_examples(60, seed=3)]
+    path = write_jsonl(tmp_path_factory.mktemp("unlabelled") / "u.jsonl", [{"text": t} for t in texts])
+    return f"train={synthetic_data_dir / 'train.jsonl'},unsupervised={path}", texts
+
+
+def test_pseudo_label_writes_what_predict_says_of_each_review(trained_dir, unlabelled, tmp_path):
+    """One teacher: each review of the split, in order, with the label and score `tfm predict` gives it
+    (calibrated)."""
+    source, texts = unlabelled
+    out = tmp_path / "pseudo.jsonl"
+    r = tfm("pseudo-label", "-c", trained_dir, "--data", source, "-o", out)
+    assert r.exit_code == 0, r.stderr
+    rows = read_jsonl(out)
+    assert [row["text"] for row in rows] == texts
+    inputs = tmp_path / "texts.txt"
+    inputs.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    predicted = json_lines(tfm("predict", "-c", trained_dir, "--json", "--file", inputs).stdout)
+    assert [row["label"] for row in rows] == [p["label"] for p in predicted]
+    assert [row["score"] for row in rows] == pytest.approx([p["score"] for p in predicted], abs=1e-6)
+    counts = {name: sum(row["label"] == name for row in rows) for name in ("neg", "pos")}
+    assert f"{len(rows)} reviews ({counts['neg']} neg, {counts['pos']} pos)" in r.stdout
+
+
+def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch):
+    """Two teachers: the mean of their probabilities, whose winner may be neither one's."""
+    from transformer_cli import pseudo
+
+    texts = ["first review", "second review", "third review"]
+    monkeypatch.setattr(pseudo, "split_texts", lambda *_: texts)
+    answers = iter([np.array([[0.9, 0.1], [0.4, 0.6], [0.45, 0.55]]), np.array([[0.6, 0.4], [0.8, 0.2], [0.65, 0.35]])])
+    monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
+    out = tmp_path / "p.jsonl"
+    summary = pseudo.pseudo_label([trained_dir, trained_dir], out)
+    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.75},
+                               {"text": "second review", "label": "neg", "score": 0.6},
+                               {"text": "third review", "label": "neg", "score": 0.55}]
+    assert summary["per_class"] == {"neg": 3, "pos": 0}
+
+
+def pseudo_cfg(data_dir, path, **kw) -> DataConfig:
+    return DataConfig(source=str(data_dir), vocab_size=200, max_length=64, pseudo_labels=str(path), **kw)
+
+
+def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir, tmp_path):
+    """The kept rows (score >= pseudo_min_score) follow the labelled train part with their labels as ids;
+    one that repeats a validation review is dropped, and validation is unchanged."""
+    base = DataConfig(source=str(synthetic_data_dir), vocab_size=200, max_length=64)
+    _, val_raw, _, _ = train_val_splits(base, seed=0)
+    rows = [{"text": "a fresh unlabelled review, loved it", "label": "pos", "score": 0.97},
+            {"text": "another one, boring and awful", "label": "neg", "score": 0.91},
+            {"text": "an unsure one", "label": "pos", "score": 0.55},
+            {"text": val_raw.texts[0], "label": "pos", "score": 0.99}]
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    plain = prepare_train_data(base, seed=0)
+    mixed = prepare_train_data(pseudo_cfg(synthetic_data_dir, path, pseudo_min_score=0.9), seed=0,
+                               tokenizer=plain.tokenizer)
+    assert len(mixed.train) == len(plain.train) + 2
+    assert mixed.train.labels[-2:].tolist() == [1, 0]  # pos, neg
+    np.testing.assert_array_equal(mixed.train.ids[: len(plain.train.ids)], plain.train.ids)
+    np.testing.assert_array_equal(mixed.train.labels[: len(plain.train)], plain.train.labels)
+    np.testing.assert_array_equal(mixed.val.ids, plain.val.ids)
+    everything = prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
+    assert len(everything.train) == len(plain.train) + 3  # every score, less the validation review
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"text": "a review", "label": "maybe", "score": 0.9}], "label 'maybe'"),
+    ([{"text": "a review", "label": "pos", "score": 1.5}], "scores outside [0, 1]"),
+    ([{"text": "a review", "label": "pos"}], "no column 'score'"),
+])
+def test_a_bad_pseudo_label_file_is_refused(synthetic_data_dir, tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(TfmError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
+
+
+def test_train_on_pseudo_labels_through_the_cli(trained_dir, synthetic_data_dir, unlabelled, tmp_path):
+    """The whole loop at the tiny sizes: the teacher labels a sample of the reviews, a student trains on them."""
+    source, texts = unlabelled
+    labels = tmp_path / "pseudo.jsonl"
+    assert tfm("pseudo-label", "-c", trained_dir, "--data", source, "-o", labels, "--max-samples", "50").exit_code == 0
+    rows = read_jsonl(labels)
+    assert len(rows) == 50 and len({row["text"] for row in rows}) == 50 and {row["text"] for row in rows} < set(texts)
+    out = tmp_path / "student"
+    r = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", synthetic_data_dir, "-o", out, "--max-steps", "3",
+            "--no-progress", f"data.pseudo_labels={json.dumps(str(labels))}", "data.pseudo_min_score=0.8")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads((out / "config.json").read_text())["data"]["pseudo_labels"] == str(labels)
+
+
+def test_pseudo_label_usage_errors(trained_dir, synthetic_data_dir, tmp_path):
+    assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "-o", tmp_path / "p.txt"), 2, ".jsonl")
+    assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--data", synthetic_data_dir, "-o",
+                             tmp_path / "p.jsonl"), 2, "no split 'unsupervised'", "--split")
+    assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--split", "test", "-o", tmp_path / "p.jsonl"), 2,
+                         "final report")
+    assert not (tmp_path / "p.jsonl").exists()
+    assert_fails_cleanly(tfm("pseudo-label", "-c", tmp_path / "nothing", "-o", tmp_path / "p.jsonl"), 1,
+                         "does not exist")
+    r = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", synthetic_data_dir, "-o", tmp_path / "run",
+            "data.pseudo_labels='missing.jsonl'")
+    assert_fails_cleanly(r, 2, "data.pseudo_labels", "tfm pseudo-label")
+    assert not (tmp_path / "run").exists()
+    assert_fails_cleanly(tfm("train", "--config", CONFIGS / "tiny.toml", "data.pseudo_min_score=1.0"), 2,
+                         "pseudo_min_score")
+
+
+def test_teachers_must_share_their_classes(trained_dir, tmp_path, monkeypatch):
+    from transformer_cli import pseudo
+
+    real = pseudo.load_for_inference
+    loaded = iter([real(trained_dir, "cpu", None), (*real(trained_dir, "cpu", None)[:4], ["bad", "good"])])
+    monkeypatch.setattr(pseudo, "load_for_inference", lambda *a: next(loaded))
+    with pytest.raises(TfmError, match="teachers must share their classes"):
+        pseudo.pseudo_label([trained_dir, tmp_path / "other"], tmp_path / "p.jsonl")
+    assert not (tmp_path / "p.jsonl").exists()

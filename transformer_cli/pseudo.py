@@ -1,0 +1,90 @@
+"""`tfm pseudo-label`: trained classifiers label unlabelled reviews, for self-training.
+
+Self-training: a model fine-tuned on the labelled reviews labels the unlabelled ones (by default
+IMDB's `unsupervised` split), and a new model trains on both (`tfm train data.pseudo_labels=FILE`),
+keeping the pseudo-labels its teacher was sure of (`data.pseudo_min_score`). The student is still
+the transformer alone: the teachers are `tfm train` runs too. Several teachers average their
+calibrated probabilities, which labels more reviews right than any one of them.
+
+The file is JSON lines, one per review in the split's order: {"text", "label", "score"}, where
+score is the (averaged) probability of the label. Validation and test labels are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from transformer_cli.calibration import saved_temperature
+from transformer_cli.data import named_files, open_dataset, open_dataset_files, sample_indices
+from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.evaluate import load_for_inference, predict_proba
+from transformer_cli.fileio import atomic_write_text
+
+UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews
+SUBSET_SEED = 0  # --max-samples draws the same reviews every time
+
+
+def split_texts(source: str, split: str, column: str) -> list[str]:
+    """The `column` texts of one split of a data source (Hub id, Hub-layout folder or data files)."""
+    files = named_files(source)
+    ds = open_dataset_files(files) if files is not None else open_dataset(source)
+    if split not in ds:
+        raise UsageError(f"'{source}' has no split '{split}' (it has: {', '.join(ds)}); pass --split")
+    if column not in ds[split].column_names:
+        raise TfmError(f"split '{split}' of '{source}' has no column '{column}' (columns: "
+                       f"{', '.join(ds[split].column_names)}); set the teachers' data.text_column")
+    texts = ds[split][column]
+    if not texts:
+        raise TfmError(f"split '{split}' of '{source}' is empty")
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()), None)
+    if bad is not None:
+        raise TfmError(f"split '{split}' of '{source}' has an empty or non-text value in column '{column}' "
+                       f"(row {bad + 1})")
+    return texts
+
+
+def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, split: str = UNLABELLED_SPLIT,
+                 max_samples: int | None = None, device: str = "auto", batch_size: int = 64,
+                 precision: str | None = None) -> dict:
+    """Write `output` (JSON lines: text, label, score) with the teachers' averaged calibrated
+    probabilities on `split` of `data` (default: the first teacher's dataset). Returns a summary:
+    reviews, per-class counts, score quantiles, seconds."""
+    if not teachers:
+        raise UsageError("pass at least one teacher with -c DIR (the output directory of `tfm train`)")
+    if split == "test":
+        raise UsageError("--split test: the test split is kept for the final report; label unlabelled reviews "
+                         "(e.g. IMDB's 'unsupervised')")
+    if output.is_dir():
+        raise UsageError(f"--output '{output}' is a directory; pass a .jsonl file to write")
+    loaded = [load_for_inference(t, device, precision) for t in teachers]  # every teacher checked before the work
+    labels = loaded[0][4]
+    for t, (*_, other) in zip(teachers[1:], loaded[1:]):
+        if other != labels:
+            raise TfmError(f"teacher '{t}' has classes {', '.join(other)}, but '{teachers[0]}' has "
+                           f"{', '.join(labels)}; teachers must share their classes")
+    cfg = loaded[0][2]
+    texts = split_texts(data or cfg.data.source, split, cfg.data.text_column)
+    if max_samples is not None:
+        texts = [texts[i] for i in sample_indices(np.arange(len(texts)), max_samples, SUBSET_SEED)]
+    t0 = time.perf_counter()
+    probs = np.zeros((len(texts), len(labels)))
+    for path, (rt, model, tcfg, tokenizer, _) in zip(teachers, loaded):
+        d = tcfg.data
+        probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size,
+                               saved_temperature(path))
+    probs /= len(teachers)
+    seconds = time.perf_counter() - t0
+    winner, score = probs.argmax(1), probs.max(1)
+    atomic_write_text(output, "".join(
+        json.dumps({"text": text, "label": labels[k], "score": round(float(s), 6)}) + "\n"
+        for text, k, s in zip(texts, winner, score)))
+    return {
+        "reviews": len(texts),
+        "per_class": {name: int((winner == k).sum()) for k, name in enumerate(labels)},
+        "score_quantiles": {q: float(np.quantile(score, q)) for q in (0.1, 0.5, 0.9)},
+        "seconds": seconds,
+    }
