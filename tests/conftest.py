@@ -121,6 +121,29 @@ def synthetic_data_dir(tmp_path_factory) -> Path:
     return root
 
 
+UNLABELLED_README = """---
+configs:
+- config_name: default
+  data_files:
+  - {split: train, path: train.jsonl}
+  - {split: test, path: test.jsonl}
+  - {split: unsupervised, path: unsupervised.jsonl}
+---
+"""
+
+
+@pytest.fixture(scope="session")
+def unlabelled_data_dir(synthetic_data_dir, tmp_path_factory) -> Path:
+    """IMDB's Hub layout: synthetic_data_dir's train and test, and an `unsupervised` split of 60 reviews
+    without labels, the splits named in README.md as the Hub's copy names them; do not modify it."""
+    root = tmp_path_factory.mktemp("unlabelled")
+    for name in ("train.jsonl", "test.jsonl"):
+        shutil.copyfile(synthetic_data_dir / name, root / name)
+    write_jsonl(root / "unsupervised.jsonl", [{"text": row["text"]} for row in make_examples(60, seed=3)])
+    (root / "README.md").write_text(UNLABELLED_README, encoding="utf-8")
+    return root
+
+
 @pytest.fixture(scope="session")
 def test_rows(synthetic_data_dir) -> list[dict]:
     return read_jsonl(synthetic_data_dir / "test.jsonl")

@@ -4,7 +4,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, make_examples, read_jsonl, write_jsonl
+from conftest import CONFIGS, read_jsonl, write_jsonl
 from test_cli import assert_fails_cleanly, json_lines, tfm
 
 from transformer_cli.config import DataConfig
@@ -13,12 +13,9 @@ from transformer_cli.errors import TfmError
 
 
 @pytest.fixture(scope="module")
-def unlabelled(synthetic_data_dir, tmp_path_factory) -> tuple[str, list[str]]:
-    """(a data source with the synthetic train split and an `unsupervised` one of 60 reviews without
-    labels, those reviews)."""
-    texts = [row["text"] for row in make_examples(60, seed=3)]
-    path = write_jsonl(tmp_path_factory.mktemp("unlabelled") / "u.jsonl", [{"text": t} for t in texts])
-    return f"train={synthetic_data_dir / 'train.jsonl'},unsupervised={path}", texts
+def unlabelled(unlabelled_data_dir) -> tuple[str, list[str]]:
+    """(a dataset with an `unsupervised` split, as IMDB's; that split's reviews)."""
+    return str(unlabelled_data_dir), [row["text"] for row in read_jsonl(unlabelled_data_dir / "unsupervised.jsonl")]
 
 
 def test_pseudo_label_writes_what_predict_says_of_each_review(trained_dir, unlabelled, tmp_path):
