@@ -4,7 +4,7 @@ Self-training: a model fine-tuned on the labelled reviews labels the unlabelled 
 IMDB's `unsupervised` split), and a new model trains on both (`tfm train data.pseudo_labels=FILE`),
 keeping the pseudo-labels its teacher was sure of (`data.pseudo_min_score`). The student is still
 the transformer alone: the teachers are `tfm train` runs too. Several teachers average their
-calibrated probabilities, which labels more reviews right than any one of them.
+calibrated probabilities.
 
 The file is JSON lines, one per review in the split's order: {"text", "label", "score"}, where
 score is the (averaged) probability of the label. Validation and test labels are never read.
