@@ -295,38 +295,27 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
     assert rows["straight"]["gflops"] * rows["tfm"]["tokens_per_sec"] > rows["tfm"]["gflops"] * rows["straight"]["tokens_per_sec"]
 
 
-def test_reproduce_pretrains_once_and_fine_tunes_beside_its_ablation(synthetic_data_dir, tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(synthetic_data_dir),
-           "--out", str(tmp_path / "runs"), "--recipes", "pretrained", "scratch", "--seeds", "1", "--",
+def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(unlabelled_data_dir, tmp_path):
+    """One pretraining serves the pretrained run, which is also the self-trained student's teacher, and
+    the ablation has the same sizes from random init."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
+           "--out", str(runs), "--recipes", "pretrained", "self-trained", "scratch", "--seeds", "1", "--",
            *SHRINK, "pretrain.val_texts=40", "model.n_layers=1"]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.count("$ ") == 5  # pretrain; train and evaluate for each recipe
+    # pretrain; train and evaluate for each recipe; the teacher's pseudo-labels once
+    assert done.stdout.count("$ ") == 8
     lines = done.stdout.splitlines()
-    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == ["pretrain", "pretrained",
-                                                                                          "scratch"]
-    tuned = json.loads((tmp_path / "runs" / "pretrained-s1" / "config.json").read_text())
-    scratch = json.loads((tmp_path / "runs" / "scratch-s1" / "config.json").read_text())
-    assert tuned["train"]["init_from"] == str((tmp_path / "runs" / "pretrain").resolve())
+    assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == [
+        "pretrain", "pretrained", "self-trained", "scratch"]
+    tuned, student, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text())
+                               for name in ("pretrained", "self-trained", "scratch"))
+    assert tuned["train"]["init_from"] == student["train"]["init_from"] == str((runs / "pretrain").resolve())
     assert scratch["train"]["init_from"] is None
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("data", "vocab_size"), ("data", "max_length")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
-
-
-def test_reproduce_self_trains_from_each_seeds_teacher(unlabelled_data_dir, tmp_path):
-    runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
-           "--out", str(runs), "--recipes", "self-trained", "--seeds", "1", "--",
-           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1"]
-    done = run(cmd)
-    assert done.returncode == 0, done.stderr[-2000:]
-    # pretrain; the teacher's train and evaluate; pseudo-label; the student's train and evaluate
-    assert done.stdout.count("$ ") == 6
     labels = [json.loads(line) for line in (runs / "pseudo-s1.jsonl").read_text().splitlines()]
     assert len(labels) == 60 and {row["label"] for row in labels} <= {"neg", "pos"}
-    student = json.loads((runs / "self-trained-s1" / "config.json").read_text())
     assert student["data"]["pseudo_labels"] == str(runs / "pseudo-s1.jsonl")
     assert student["data"]["pseudo_min_score"] == 0.9
-    assert student["train"]["init_from"] == str((runs / "pretrain").resolve())
-    assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == [
-        "pretrain", "self-trained"]
