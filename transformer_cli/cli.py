@@ -376,7 +376,7 @@ def pseudo_label(
 
     r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision)
     counts = ", ".join(f"{n} {name}" for name, n in r["per_class"].items())
-    typer.echo(f"wrote {output}: {r['reviews']} reviews ({counts}), median score {r['score_quantiles'][0.5]:.3f} "
+    typer.echo(f"wrote {output}: {r['reviews']} reviews ({counts}), median score {r['median_score']:.3f} "
                f"({r['seconds']:.0f} s)")
 
 

@@ -169,6 +169,18 @@ def open_dataset_files(files: dict[str, str]):
         raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
 
 
+def open_text_source(source: str):
+    """The `datasets.DatasetDict` of a source read as text (`tfm pretrain`, `tfm pseudo-label`): data
+    files, a Hub-layout folder or a Hub id; another kind of file is refused."""
+    files = named_files(source)
+    if files is not None:
+        return open_dataset_files(files)
+    if Path(source).is_dir() or not Path(source).exists():
+        return open_dataset(source)
+    raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, or "
+                     ".txt/.csv/.jsonl/.parquet file(s)")
+
+
 def named_files(source: str) -> dict[str, str] | None:
     """SPLIT=FILE[,SPLIT=FILE...] as {split: file}; one data file as {"train": file}; else None."""
     if "=" in source and not Path(source).exists():

@@ -33,9 +33,7 @@ from transformer_cli.data import (
     cached_tokenizer,
     collate,
     encode_texts,
-    named_files,
-    open_dataset,
-    open_dataset_files,
+    open_text_source,
 )
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
@@ -67,14 +65,7 @@ PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be
 def text_splits(cfg: Config) -> list:
     """The `datasets` splits (memory-mapped Arrow tables) whose text column is pretrained on."""
     source, pc = cfg.data.source, cfg.pretrain
-    files = named_files(source)
-    if files is not None:
-        ds = open_dataset_files(files)
-    elif Path(source).is_dir() or not Path(source).exists():
-        ds = open_dataset(source)
-    else:
-        raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, or "
-                         ".txt/.csv/.jsonl/.parquet file(s)")
+    ds = open_text_source(source)
     # The default splits are those IMDB has; another source is read in those of them it has.
     default = pc.splits == PretrainConfig().splits
     wanted = [s for s in pc.splits if s in ds] if default else list(pc.splits)
