@@ -93,16 +93,33 @@ def assert_all_step_dirs_complete(out: Path) -> None:
             assert (d / name).is_file(), f"{d / name} missing in a complete checkpoint"
 
 
+def saved_model(out: Path):
+    """A fresh model of the run's kind and sizes, built from its config.json."""
+    meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
+    cfg = Config.from_dict({k: meta[k] for k in ("model", "data", "train")})
+    if "labels" in meta:  # a classifier's run
+        return CTransformer(cfg.model, meta["vocab_size"], cfg.data.max_length, len(meta["labels"]))
+    return MaskedLM(cfg.model, meta["vocab_size"], cfg.data.max_length)  # a pretraining run's
+
+
+def validated_weights(out: Path, folder: Path) -> bytes:
+    """The model file a validation at checkpoint `folder` saves if it scores best: the checkpoint's
+    weights, or their average where the run keeps one (train.ema_decay)."""
+    model = saved_model(out)
+    ckpt.load_weights(model, folder / ckpt.MODEL_FILE)
+    average = ckpt.load_checkpoint(folder)[1].get("ema")
+    if average is not None:
+        with torch.no_grad():
+            for p, a in zip(model.parameters(), average, strict=True):
+                p.copy_(a)
+    return ckpt.state_bytes(model)
+
+
 def load_checkpoint_fully(out: Path, folder: Path) -> dict:
     """Load a checkpoint the way resume does, weights into a fresh model built from config.json."""
     train_json, tensors = ckpt.load_checkpoint(folder)
     assert train_json["state"]["step"] == step_of(folder)
-    meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
-    cfg = Config.from_dict({k: meta[k] for k in ("model", "data", "train")})
-    if "labels" in meta:  # a classifier's run
-        model = CTransformer(cfg.model, meta["vocab_size"], cfg.data.max_length, len(meta["labels"]))
-    else:  # a pretraining run's
-        model = MaskedLM(cfg.model, meta["vocab_size"], cfg.data.max_length)
+    model = saved_model(out)
     ckpt.load_weights(model, folder / ckpt.MODEL_FILE)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert "optimizer" in tensors and "rng" in tensors
@@ -170,7 +187,7 @@ def cut_back_to(run: Path, k: int) -> None:
     (run / ckpt.METRICS_FILE).unlink()
     (run / ckpt.MODEL_FILE).unlink()
     if best >= 0:  # the best model then was the one validated at best_step (an epoch end, so checkpointed)
-        shutil.copy(run / ckpt.CKPT_DIR / f"step-{best:08d}" / ckpt.MODEL_FILE, run / ckpt.MODEL_FILE)
+        (run / ckpt.MODEL_FILE).write_bytes(validated_weights(run, run / ckpt.CKPT_DIR / f"step-{best:08d}"))
 
 
 # --------------------------------------------------------------------------- 1: exact resume
@@ -796,7 +813,9 @@ def test_non_finite_steps_in_a_row_stop_training_with_finite_files(synthetic_dat
     result = cli(*train_args(synthetic_data_dir, out), "train.max_bad_steps=3", "train.keep_checkpoints=100")
     assert_one_line_error(result, 1, "training diverged: 3 steps in a row", "at step 33")
     best = out / ckpt.MODEL_FILE
-    assert weights_equal(best, out / ckpt.CKPT_DIR / f"step-{STEPS_PER_EPOCH:08d}" / ckpt.MODEL_FILE)
+    expected = tmp_path / "expected.safetensors"
+    expected.write_bytes(validated_weights(out, out / ckpt.CKPT_DIR / f"step-{STEPS_PER_EPOCH:08d}"))
+    assert weights_equal(best, expected)
     for f in [best, *(d / ckpt.MODEL_FILE for d in ckpt.checkpoint_dirs(out))]:
         assert all(torch.isfinite(t).all() for t in load_file(str(f)).values()), f
 

@@ -399,7 +399,7 @@ def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp
 
 def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
-    train(tiny_config(synthetic_data_dir, out, train__max_steps=3), progress=False)  # tiny.toml: no average
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=3, train__ema_decay=0.0), progress=False)  # no average
     assert "ema" not in ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[1]
     resumed = train(tiny_config(synthetic_data_dir, out, train__max_steps=6, train__ema_decay=0.9), resume=True,
                     force=True, progress=False)

@@ -111,7 +111,7 @@ class ModelConfig(_Section):
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
     token_dropout: float = 0.5  # training only: share of tokens hidden from the transformer (like padding)
-    pooling: Literal["max", "mean", "first"] = "mean"
+    pooling: Literal["max", "mean", "first"] = "max"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal"] = "learned"
     attention: Literal["auto", "sdpa", "explicit"] = "auto"  # auto: sdpa, or kernels.attention_bf16 where it runs
@@ -204,7 +204,7 @@ class TrainConfig(_Section):
     min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     label_smoothing: float = 0.0
-    ema_decay: float = 0.0  # > 0: validate and save an exponential moving average of the weights
+    ema_decay: float = 0.999  # > 0: validate and save an exponential moving average of the weights; 0: off
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Precision = "auto"

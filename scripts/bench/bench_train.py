@@ -11,7 +11,9 @@ What it measures
            transformer_cli.train.train_step, the step of `tfm train`'s loop, on a run that
            transformer_cli.train.build_run sets up (fused AdamW over model.param_groups, the model's
            loss, gradient clipping, the finiteness check; fused SDPA attention with the padding
-           mask). Its layout is the default's: pre-norm, GELU, mean pooling, word dropout 0.7. Its
+           mask). Its layout is configs/wide-and-deep.toml's transformer, which the figures in
+           docs/performance.md were measured on: pre-norm, GELU, mean pooling, word dropout 0.7, no
+           weight average. Its
            encoder runs only the tokens word dropout keeps (model.compact: about 0.4 of the
            columns), so it does fewer FLOPs than (b), which computes every column
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
@@ -86,7 +88,7 @@ import argparse
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import _bench_common as bc
 import numpy as np
@@ -277,7 +279,7 @@ def ours(key: str, args, vocab: int) -> Variant:
     """A step as `tfm train` takes it: train_step on a run set up by build_run (one process, no accumulation)."""
     import tempfile
 
-    from transformer_cli.config import Config, ModelConfig, TrainConfig, load_config
+    from transformer_cli.config import Config, load_config
     from transformer_cli.data import Encoded
     from transformer_cli.model import CTransformer
     from transformer_cli.optim import LazyAdamW
@@ -287,13 +289,13 @@ def ours(key: str, args, vocab: int) -> Variant:
 
     mods = set(key.split("_")[1:])
     heads = next((h for m in mods if (h := heads_of(m))), args.heads)
-    mc = ModelConfig(d_model=args.d_model, n_heads=heads, n_layers=args.layers, ff_mult=args.ff_mult,
-                     dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
-                     ngram_buckets=load_config(bc.REPO / "configs" / "wide-and-deep.toml").model.ngram_buckets
-                     if "ngrams" in mods else 0,
-                     lazy_embeddings="lazy" in mods)
+    recipe = load_config(bc.REPO / "configs" / "wide-and-deep.toml")
+    mc = replace(recipe.model, d_model=args.d_model, n_heads=heads, n_layers=args.layers, ff_mult=args.ff_mult,
+                 dropout=args.dropout, attention="explicit" if "explicit" in mods else "auto",
+                 ngram_buckets=recipe.model.ngram_buckets if "ngrams" in mods else 0,
+                 lazy_embeddings="lazy" in mods)
     out = tempfile.TemporaryDirectory(prefix="bench-train-")  # build_run's output folder; nothing is written
-    cfg = Config(model=mc, train=TrainConfig(output_dir=out.name, compile="compile" in mods))
+    cfg = Config(model=mc, train=replace(recipe.train, output_dir=out.name, compile="compile" in mods))
     cpu = torch.device("cpu")
     precision = "bf16" if "bf16" in mods else "fp32" if "fp32" in mods else "auto"  # auto: as tfm train
     rt = Runtime(cpu, resolve_precision(precision, cpu))
