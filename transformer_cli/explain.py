@@ -33,8 +33,8 @@ from transformer_cli.fileio import atomic_write_text
 
 # Gauss-Legendre nodes on the path. Each costs about 2.6 plain predictions (a forward and a
 # backward pass); on unlabelled IMDB reviews the default model's attributions at 3 nodes are as
-# faithful as at 16 and agree with 256 nodes' nearly as well (docs/inspect.md). More nodes bring
-# the attributions' sum closer to p(review) - p(baseline), not a better ranking of the tokens.
+# faithful as at 16 and agree with 256 nodes' nearly as well (docs/inspect.md). More nodes mostly
+# bring the attributions' sum closer to p(review) - p(baseline); they refine the ranking little.
 IG_STEPS = 3
 IG_BATCH = 16  # nodes per forward pass: memory stays bounded with many nodes and long reviews
 
