@@ -116,6 +116,10 @@ def test_pseudo_label_usage_errors(trained_dir, synthetic_data_dir, tmp_path):
             "data.pseudo_labels='missing.jsonl'")
     assert_fails_cleanly(r, 2, "data.pseudo_labels", "tfm pseudo-label")
     assert not (tmp_path / "run").exists()
+    r = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", synthetic_data_dir, "-o", tmp_path / "run",
+            "data.pseudo_min_score=0.9")  # a threshold with no file would train on the labelled reviews alone
+    assert_fails_cleanly(r, 2, "data.pseudo_min_score is set but data.pseudo_labels is not", "tfm pseudo-label")
+    assert not (tmp_path / "run").exists()
     assert_fails_cleanly(tfm("train", "--config", CONFIGS / "tiny.toml", "data.pseudo_min_score=1.0"), 2,
                          "pseudo_min_score")
 

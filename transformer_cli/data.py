@@ -697,6 +697,9 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], held_out: RawSpl
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
     """Load train and the validation split (train_val_splits), add the pseudo-labelled reviews to train
     (data.pseudo_labels), train the tokenizer (unless one is given), encode both."""
+    if cfg.pseudo_labels is None and cfg.pseudo_min_score > 0:  # e.g. configs/self-train.toml alone
+        raise UsageError("data.pseudo_min_score is set but data.pseudo_labels is not: pass "
+                         "data.pseudo_labels=FILE, a file written by `tfm pseudo-label`")
     train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
     if cfg.pseudo_labels is not None:
         extra = read_pseudo_labels(cfg, label_names, val_raw)
