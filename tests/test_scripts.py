@@ -209,7 +209,7 @@ def test_bench_infer_compares_cpu_batching_settings(trained_dir, synthetic_data_
     for row in rows:
         assert row["reviews_per_sec"] == pytest.approx(120 / row["median_sec"])
     if bf16:  # bf16 computes them within its precision
-        assert rows[-1]["loss"] != rows[0]["loss"] and rows[-1]["loss"] == pytest.approx(rows[0]["loss"], rel=2e-2)
+        assert rows[-1]["loss"] != rows[0]["loss"] and rows[-1]["loss"] == pytest.approx(rows[0]["loss"], rel=2e-2, abs=1e-4)
     assert "% padding, <= 4096 tokens/thread, 2 worker(s) of 1 thread(s), fp32; load" in done.stdout
     profile = result["profile"]  # of evaluate_model on the 120 reviews: the workers' ops are seen
     assert sum(profile["groups_pct"].values()) == pytest.approx(100)
