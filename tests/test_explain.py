@@ -49,9 +49,8 @@ def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(train
 
 
 def test_attributions_add_up_to_the_change_of_probability_with_enough_steps(trained_dir):
-    """Completeness, --ig-steps through the CLI: the integral converges to p(review) - p(baseline). The tiny
-    model is max-pooled and its temperature, fitted on separable synthetic data, is far below 1: its
-    path is a near step, so it takes thousands of nodes."""
+    """Completeness, --ig-steps through the CLI: the integral converges to p(review) - p(baseline). Trained
+    models' paths can be sharp (a fitted temperature below 1 sharpens them further): many nodes."""
     model, cfg, tokenizer, labels = load_model_dir(trained_dir)
     temperature = saved_temperature(trained_dir)
     r = tfm("predict", "-c", trained_dir, "--json", "--explain", "--ig-steps", "4096", POSITIVE_TEXT, NEGATIVE_TEXT)
