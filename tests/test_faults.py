@@ -194,8 +194,9 @@ def cut_back_to(run: Path, k: int) -> None:
 
 
 def resume_cfg(data: Path, out: Path):
-    return tiny_config(data, out, model__dropout=0.1, train__log_every=1, train__checkpoint_every=10,
-                       train__keep_checkpoints=100, train__max_steps=TOTAL)
+    """With dropout and a weight average, so that resume must restore the RNG and the average too."""
+    return tiny_config(data, out, model__dropout=0.1, train__ema_decay=0.9, train__log_every=1,
+                       train__checkpoint_every=10, train__keep_checkpoints=100, train__max_steps=TOTAL)
 
 
 RESUME_POINTS = {"mid-epoch": 10, "epoch-boundary": STEPS_PER_EPOCH}
@@ -810,7 +811,8 @@ def test_a_run_without_a_finite_validation_ends_with_an_error(synthetic_data_dir
 def test_non_finite_steps_in_a_row_stop_training_with_finite_files(synthetic_data_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
     poison_training_loss(monkeypatch, lambda n: n >= 30)  # steps 31, 32, 33 ... after the epoch-1 model
-    result = cli(*train_args(synthetic_data_dir, out), "train.max_bad_steps=3", "train.keep_checkpoints=100")
+    result = cli(*train_args(synthetic_data_dir, out), "train.max_bad_steps=3", "train.keep_checkpoints=100",
+                 "train.ema_decay=0.9")  # the best model saved is the epoch-1 average
     assert_one_line_error(result, 1, "training diverged: 3 steps in a row", "at step 33")
     best = out / ckpt.MODEL_FILE
     expected = tmp_path / "expected.safetensors"
