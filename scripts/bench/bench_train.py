@@ -13,9 +13,8 @@ What it measures
            loss, gradient clipping, the finiteness check; fused SDPA attention with the padding
            mask). Its layout is configs/wide-and-deep.toml's transformer, which the figures in
            docs/performance.md were measured on: pre-norm, GELU, mean pooling, word dropout 0.7, no
-           weight average. Its
-           encoder runs only the tokens word dropout keeps (model.compact: about 0.4 of the
-           columns), so it does fewer FLOPs than (b), which computes every column
+           weight average. Its encoder runs only the tokens word dropout keeps (model.compact: about
+           0.4 of the columns), so it does fewer FLOPs than (b), which computes every column
       (b)  naive reference, written here as Peter Bloem's `former` CTransformer is: separate Q/K/V
            linears, heads folded into the batch dimension, torch.bmm, q and k each scaled by
            emb^(1/4), explicit softmax, post-norm blocks with a 4x ReLU feed-forward, max pooling,
