@@ -12,6 +12,7 @@ from transformer_cli.model import (
     CTransformer,
     NgramBag,
     SelfAttention,
+    adversarial_step,
     compact,
     drop_tokens,
     dropout,
@@ -314,6 +315,59 @@ def test_the_ngram_path_learns_from_its_own_loss_and_the_transformer_from_the_su
     assert model(ids, mask, labels)[0].equal(logits)  # the logits are the sum either way
 
 
+# --------------------------------------------------------------------------- adversarial training
+
+
+def adversarial_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = CTransformer(model_cfg(), VOCAB, MAX_LEN).train()  # no dropout: every forward is the same
+    ids, mask = random_batch(LENGTHS, seed)
+    labels = torch.tensor([0, 1, 1, 0])
+    x = model.encoder.embed(ids)  # (B, T, C)
+
+    def losses(x):  # (B,) each text's loss
+        return F.cross_entropy(model.deep_logits(x, mask), labels, reduction="none")
+
+    return model, ids, mask, labels, x, losses
+
+
+def test_adversarial_step_has_the_set_norm_and_raises_the_loss_more_than_random_directions():
+    model, ids, mask, labels, x, losses = adversarial_setup()
+    eps = 0.01
+    r = adversarial_step(losses(x).sum(), x, mask, eps)
+    assert not r.requires_grad and r.shape == x.shape
+    assert r[~mask].abs().max() == 0  # padding is not moved
+    x_norm = (x.detach() * mask[..., None]).flatten(1).norm(dim=1)
+    torch.testing.assert_close(r.flatten(1).norm(dim=1), eps * x_norm)  # each text by eps of its own norm
+
+    with torch.no_grad():
+        base, adversarial = losses(x), losses(x + r)
+        g = torch.Generator().manual_seed(3)
+        for _ in range(20):  # random directions of the same norms
+            noise = torch.randn(x.shape, generator=g) * mask[..., None]
+            noise *= (r.flatten(1).norm(dim=1) / noise.flatten(1).norm(dim=1))[:, None, None]
+            assert (adversarial - base > (losses(x + noise) - base).abs()).all()
+
+
+def test_adversarial_loss_adds_the_loss_at_the_moved_embeddings_in_training_only():
+    model, ids, mask, labels, x, losses = adversarial_setup()
+    eps = 0.02
+    clean = F.cross_entropy(model.deep_logits(x, mask), labels)
+    expected = clean + F.cross_entropy(model.deep_logits(x + adversarial_step(clean, x, mask, eps), mask), labels)
+    logits, objective = model(ids, mask, labels, adversarial_eps=eps)
+    torch.testing.assert_close(objective, expected)
+    assert model(ids, mask, labels)[1].equal(clean)  # eps 0: the plain loss
+
+    weights = model.encoder.tok_emb.weight
+    (grad,) = torch.autograd.grad(objective, weights)
+    (plain_grad,) = torch.autograd.grad(model(ids, mask, labels)[1], weights)
+    assert grad.isfinite().all() and not torch.allclose(grad, plain_grad)  # the adversarial loss trains too
+
+    model.eval()
+    _, objective = model(ids, mask, labels, adversarial_eps=eps)
+    torch.testing.assert_close(objective, clean)  # evaluation measures the plain loss
+
+
 def test_word_dropout_hides_tokens_from_the_transformer_only():
     torch.manual_seed(0)
     model = CTransformer(model_cfg(ngram_buckets=64, token_dropout=0.5), VOCAB, MAX_LEN).train()
@@ -398,7 +452,7 @@ def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(po
         return logits, F.cross_entropy(logits, labels)
 
     widths = []
-    fast.encoder.register_forward_pre_hook(lambda _, args: widths.append(args[0].size(1)))
+    fast.encoder.blocks[0].register_forward_pre_hook(lambda _, args: widths.append(args[0].size(1)))
     ids, mask = random_batch([96, 80, 50, 9], seed=4)
     labels = torch.tensor([0, 1, 1, 0])
     results = []

@@ -130,7 +130,10 @@ class Encoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` (B, T): each token's place in its text, when it is not its column (see `compact`)."""
-        x = self.embed(ids, positions)  # (B, T, C)
+        return self.contextualize(self.embed(ids, positions), mask)
+
+    def contextualize(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) embeddings -> (B, T, C) states: the blocks, then the final norm."""
         for block in self.blocks:
             x = block(x, mask)
         return self.norm(x)
@@ -192,6 +195,21 @@ def compact(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     return ids.gather(1, positions).masked_fill(~kept, PAD_ID), kept, positions  # hidden ids out of the lookup
 
 
+def adversarial_step(loss: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T, C): the perturbation of embeddings `x` that raises `loss` most to first order, each
+    text's scaled to `eps` times the norm of its real tokens' embeddings; held fixed (no gradient).
+
+    Miyato et al. (2017) normalise the gradient over the whole text, as here; scaling by the
+    embeddings' own norm makes `eps` a share, the same for any width, length or embedding scale.
+    """
+    (g,) = torch.autograd.grad(loss, x, retain_graph=True)  # (B, T, C); the parameters' gradients untouched
+    g, real = g.detach().float(), mask.unsqueeze(-1)  # (B, T, C), (B, T, 1)
+    x_norm = (x.detach().float() * real).flatten(1).norm(dim=1)  # (B,)
+    g_norm = (g * real).flatten(1).norm(dim=1).clamp(min=1e-12)  # (B,)
+    r = g * real * (eps * x_norm / g_norm)[:, None, None]  # (B, T, C)
+    return r.to(x.dtype)
+
+
 class NgramBag(nn.Module):
     """The wide path: a linear model over the bag of a text's token n-grams, up to length `order`.
 
@@ -246,21 +264,26 @@ class CTransformer(nn.Module):
         )
 
     def forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0
+        self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0,
+        adversarial_eps: float = 0.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits, or with `labels` the logits and the training loss.
 
         With `ngram_own_loss`, the n-gram path learns from its own loss, as a linear model alone
         would, and the transformer from the loss of the sum with the path's scores held fixed:
         it learns what the path gets wrong.
+
+        With `adversarial_eps` > 0 the loss adds adversarial training's (Miyato et al. 2017): the
+        transformer's loss again, on embeddings moved in the direction that raises it most, by
+        `adversarial_eps` times their norm (see `adversarial_step`).
         """
         wide = None if self.ngrams is None else self.ngrams(ids, mask)  # (B, num_labels)
         positions = None
         if self.training and self.cfg.token_dropout > 0:  # the transformer's regulariser only
             mask = drop_tokens(mask, self.cfg.token_dropout)
             ids, mask, positions = compact(ids, mask)  # (B, W) each, W a little over (1 - token_dropout) T
-        h = self.encoder(ids, mask, positions)  # (B, T or W, C)
-        deep = self.head(pool(h, mask, self.cfg.pooling))  # (B, num_labels)
+        x = self.encoder.embed(ids, positions)  # (B, T or W, C)
+        deep = self.deep_logits(x, mask)  # (B, num_labels)
         logits = deep if wide is None else deep + wide
         if labels is None:
             return logits
@@ -269,8 +292,18 @@ class CTransformer(nn.Module):
             return F.cross_entropy(x.float(), labels, label_smoothing=label_smoothing)
 
         if wide is None or not self.cfg.ngram_own_loss:
-            return logits, loss(logits)
-        return logits, loss(deep + wide.detach()) + loss(wide)
+            objective = loss(logits)
+        else:
+            objective = loss(deep + wide.detach()) + loss(wide)
+        if adversarial_eps > 0 and self.training:
+            fixed = 0.0 if wide is None else wide.detach()  # the perturbation is the transformer's alone
+            x_adv = x + adversarial_step(loss(deep + fixed), x, mask, adversarial_eps)  # (B, T, C)
+            objective = objective + loss(self.deep_logits(x_adv, mask) + fixed)
+        return logits, objective
+
+    def deep_logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) embeddings -> (B, num_labels): the transformer's logits."""
+        return self.head(pool(self.encoder.contextualize(x, mask), mask, self.cfg.pooling))
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         """Weight decay on matrices (linear and embedding weights) only, not biases or norms; with

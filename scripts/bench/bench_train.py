@@ -307,7 +307,7 @@ def ours(key: str, args, vocab: int) -> Variant:
         cls = LazyAdamW if mc.lazy_embeddings else torch.optim.AdamW
         run.optimizer = cls(model.param_groups(tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
     shapes: list[tuple[int, int]] = []
-    model.encoder.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    model.encoder.blocks[0].register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape[:2])))  # (B, W)
 
     def step(b: Batch, keep=out) -> float:  # keep: the output folder lives as long as the step
         return train_step(run, [StepBatch((b.ids, b.mask, b.y), len(b.y), len(b.y), int(b.mask.sum()))]).stats["loss"]
