@@ -323,17 +323,16 @@ def adversarial_setup(seed: int = 0):
     model = CTransformer(model_cfg(), VOCAB, MAX_LEN).train()  # no dropout: every forward is the same
     ids, mask = random_batch(LENGTHS, seed)
     labels = torch.tensor([0, 1, 1, 0])
-    x = model.encoder.embed(ids)  # (B, T, C)
+    return model, ids, mask, labels, model.encoder.embed(ids)  # x: (B, T, C)
+
+
+def test_adversarial_step_has_the_set_norm_and_raises_the_loss_more_than_random_directions():
+    model, _, mask, labels, x = adversarial_setup()
+    eps = 0.01
 
     def losses(x):  # (B,) each text's loss
         return F.cross_entropy(model.deep_logits(x, mask), labels, reduction="none")
 
-    return model, ids, mask, labels, x, losses
-
-
-def test_adversarial_step_has_the_set_norm_and_raises_the_loss_more_than_random_directions():
-    model, ids, mask, labels, x, losses = adversarial_setup()
-    eps = 0.01
     r = adversarial_step(losses(x).sum(), x, mask, eps)
     assert not r.requires_grad and r.shape == x.shape
     assert r[~mask].abs().max() == 0  # padding is not moved
@@ -350,11 +349,11 @@ def test_adversarial_step_has_the_set_norm_and_raises_the_loss_more_than_random_
 
 
 def test_adversarial_loss_adds_the_loss_at_the_moved_embeddings_in_training_only():
-    model, ids, mask, labels, x, losses = adversarial_setup()
+    model, ids, mask, labels, x = adversarial_setup()
     eps = 0.02
     clean = F.cross_entropy(model.deep_logits(x, mask), labels)
     expected = clean + F.cross_entropy(model.deep_logits(x + adversarial_step(clean, x, mask, eps), mask), labels)
-    logits, objective = model(ids, mask, labels, adversarial_eps=eps)
+    _, objective = model(ids, mask, labels, adversarial_eps=eps)
     torch.testing.assert_close(objective, expected)
     assert model(ids, mask, labels)[1].equal(clean)  # eps 0: the plain loss
 
