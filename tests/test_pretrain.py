@@ -192,6 +192,15 @@ def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path)
         pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
 
 
+@pytest.mark.parametrize("setting", [{"model__lazy_embeddings": True},
+                                     {"train__label_smoothing": 0.1}, {"train__adversarial_eps": 0.01}])
+def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, setting):
+    (key,) = setting
+    with pytest.raises(UsageError, match=key.replace("__", ".")):
+        pretrain(pretrain_config(synthetic_data_dir, tmp_path / "run", **setting), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_split_is_one_clear_error(synthetic_data_dir, tmp_path):
     cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__splits=["unlabelled"])
     with pytest.raises(UsageError, match="has no split unlabelled"):
