@@ -17,8 +17,9 @@ Targets: (b) at concurrency 32 >= 70% of (a)'s model reviews/s; (c) p99 <= 50 ms
 
 The clients speak HTTP/1.1 over asyncio streams (a few lines here) rather than through a client
 library: they share this machine's CPUs with the server, and a lighter client leaves it more.
-Each load also reports the server process's CPU time per review (/proc), and (a) the CPU time of
-evaluate's path: figures that depend far less than the rates on what else runs on the machine.
+Each load also reports the CPU time per review of the server process (/proc) and of the clients
+(this process), and (a) the CPU time of evaluate's path: figures that depend far less than the
+rates on what else runs on the machine.
 Exit code 1 if any bad request got no 4xx or any good one failed.
 
     python scripts/loadtest_serve.py -c runs/tfm --data ../shared/data/imdb --json loadtest.json
@@ -194,11 +195,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measured_load(host: str, port: str, requests: list[tuple[bytes, int]], concurrency: int, pid: int) -> dict:
-    """run_load's summary, with the server's CPU time per review: a figure that, unlike the rates,
-    depends little on what else runs on the machine."""
-    before = cpu_seconds(pid)
+    """run_load's summary, with the CPU time per review of the server and of the clients (this
+    process): figures that, unlike the rates, depend little on what else runs on the machine."""
+    before, clients_before = cpu_seconds(pid), time.process_time()
     summary = summarise(asyncio.run(run_load(host, port, requests, concurrency)), requests)
-    summary["server_cpu_ms_per_review"] = 1000 * (cpu_seconds(pid) - before) / max(1, summary["reviews"])
+    reviews = max(1, summary["reviews"])
+    summary["server_cpu_ms_per_review"] = 1000 * (cpu_seconds(pid) - before) / reviews
+    summary["client_cpu_ms_per_review"] = 1000 * (time.process_time() - clients_before) / reviews
     return summary
 
 
@@ -277,8 +280,9 @@ def main(argv=None) -> int:
         bc.print_table(results["levels"], [("concurrency", "clients"), ("reviews_per_sec", "reviews/s"),
                                            ("ratio_to_evaluate", "/ evaluate"), ("p50_ms", "p50 ms"),
                                            ("p99_ms", "p99 ms"), ("server_cpu_ms_per_review", "server CPU ms/review"),
+                                           ("client_cpu_ms_per_review", "clients CPU ms/review"),
                                            ("good_failed", "failed")],
-                       digits={"ratio_to_evaluate": 2, "server_cpu_ms_per_review": 2})
+                       digits={"ratio_to_evaluate": 2, "server_cpu_ms_per_review": 2, "client_cpu_ms_per_review": 2})
         words200 = [t for t in texts if 190 <= len(t.split()) <= 210] or texts
         reqs = good_requests(words200, args.latency_requests, 1, rng)
         results["latency_200_words"] = lat = measured_load(host, port, reqs, 1, proc.pid)

@@ -22,6 +22,7 @@ def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, synth
     result = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
     assert all(lv["requests"] == 30 and lv["reviews"] == 60 and lv["good_failed"] == 0 for lv in result["levels"])
+    assert all(lv["server_cpu_ms_per_review"] > 0 and lv["client_cpu_ms_per_review"] > 0 for lv in result["levels"])
     mixed = result["mixed"]
     assert mixed["malformed"] == 27 and mixed["malformed_without_4xx"] == 0 and mixed["good_failed"] == 0
     assert set(mixed["malformed_statuses"]) == {400, 413, 422}
