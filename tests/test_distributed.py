@@ -27,7 +27,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(synthetic_data_dir, 
             "--seed", "5", "--precision", "fp32",  # the same arithmetic: bf16 rounds each process's sums apart
             f"train.grad_accum_steps={accum}", "train.checkpoint_every=7",
             "model.ngram_buckets=256",  # the wide-and-deep recipe's n-gram path, small
-            f"model.lazy_embeddings={'true' if accum == 2 else 'false'}"]  # sparse gradients reduced over ranks
+            f"model.lazy_embeddings={'true' if accum == 2 else 'false'}",  # sparse gradients reduced over ranks
+            f"train.adversarial_eps={0.05 if accum == 1 else 0}"]  # a second pass from a gradient taken in forward
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     r2 = _train(args, ddp, env, nproc=2)
     assert r2.returncode == 0, r2.stderr[-6000:]
