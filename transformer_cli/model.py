@@ -273,9 +273,9 @@ class CTransformer(nn.Module):
         would, and the transformer from the loss of the sum with the path's scores held fixed:
         it learns what the path gets wrong.
 
-        With `adversarial_eps` > 0 the loss adds adversarial training's (Miyato et al. 2017): the
-        transformer's loss again, on embeddings moved in the direction that raises it most, by
-        `adversarial_eps` times their norm (see `adversarial_step`).
+        With `adversarial_eps` > 0 (training only), the loss adds the adversarial loss of Miyato et
+        al. (2017): the transformer's loss again, on embeddings moved in the direction that raises
+        it most, by `adversarial_eps` times their norm (see `adversarial_step`).
         """
         wide = None if self.ngrams is None else self.ngrams(ids, mask)  # (B, num_labels)
         positions = None
