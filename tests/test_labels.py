@@ -222,3 +222,23 @@ def test_a_test_label_the_model_never_saw_is_one_error_line(three_class_run, tmp
     assert r.stderr.strip().splitlines() == [(
         f"tfm: error: split 'train' of '{tmp_path / 't.csv'}' has label 'mixed', which is not one of the classes "
         "trained on (negative, neutral, positive); leave such examples out, or train on examples of every class")]
+
+
+def test_resuming_on_data_whose_classes_changed_is_refused(tmp_path):
+    rows = make_three_class_examples(150, seed=6)
+    data = write_csv(tmp_path / "train.csv", rows)
+    out = tmp_path / "run"
+    args = ["train", "--config", CONFIGS / "tiny.toml", "--data", data, "-o", out, "--device", "cpu",
+            "--precision", "fp32", "--no-progress", "--max-steps", "4", "train.checkpoint_every=2"]
+    assert tfm(*args).exit_code == 0
+    assert tfm(*args, "--resume").exit_code == 0  # the same classes: it resumes
+    # The file is relabelled in place: the same number of classes, one renamed, so only the names tell.
+    write_csv(data, [{**r, "label": "mixed" if r["label"] == "neutral" else r["label"]} for r in rows])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    r = tfm(*args, "--resume")
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "tfm: error: the resumed run was trained on the classes (negative, neutral, positive), but its data now has "
+        "(mixed, negative, positive); resume on the data it was trained with, or start a new run in another "
+        "--output-dir"]
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

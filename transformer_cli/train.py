@@ -34,7 +34,8 @@ from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import all_logits, evaluate_scaled
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, remove_stale_temp_files, write_json
+from transformer_cli.fileio import (atomic_write_bytes, atomic_write_text, read_json, remove_stale_temp_files,
+                                   write_json)
 from transformer_cli.model import CTransformer
 from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
@@ -780,6 +781,14 @@ def load_tokenizer(out: Path):
     return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
+def load_labels(out: Path) -> list[str] | None:
+    """The class names in the config.json of the run in `out`; None if it has none."""
+    path = out / ckpt.CONFIG_FILE
+    meta = read_json(path, "config") if path.is_file() else None
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    return labels if isinstance(labels, list) else None
+
+
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
     """The classifier's run: output folder checked, data prepared, model built (from a pretrained
     encoder with `train.init_from`), optimizer ready, restored on resume."""
@@ -787,13 +796,18 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     resume_dir = begin(tc, rt, resume)
     # A resumed run keeps the tokenizer its weights were trained with, even if --force changed what
     # would train another; a fine-tuned one reads its pretrained encoder's.
-    tokenizer = None
+    tokenizer = trained_labels = None
     if resume_dir is not None:
         tokenizer = load_tokenizer(resume_dir.parent.parent)
+        trained_labels = load_labels(resume_dir.parent.parent)
     elif tc.init_from:
         tokenizer = load_tokenizer(Path(tc.init_from))
     needed = ("test",) if tc.test_at_end else ()  # refused now rather than after training
     data = on_every_rank(rt, lambda: prepare_train_data(cfg.data, tc.seed, tokenizer, needed))
+    if trained_labels is not None and data.labels != trained_labels:  # the head's rows are those classes
+        raise UsageError(f"the resumed run was trained on the classes ({', '.join(trained_labels)}), but its data "
+                         f"now has ({', '.join(data.labels)}); resume on the data it was trained with, or start a "
+                         "new run in another --output-dir")
 
     # The run's config says what it validated on ("" = a part held out of train), whatever the dataset
     # gains later: resume compares it, and `tfm evaluate --split validation` reads it.
