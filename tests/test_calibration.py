@@ -1,5 +1,7 @@
 import json
+import math
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +67,9 @@ def test_ece_of_a_hand_worked_example():
     assert expected_calibration_error(probs3, np.array([0, 1, 0, 1]), bins=2) == pytest.approx(
         abs(2 / 3 - (0.6 + 0.7 + 0.7) / 3) * 3 / 4 + abs(1 - 0.8) / 4)
     assert expected_calibration_error(np.zeros((0, 2)), np.zeros(0)) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no garbage bin from casting NaN to an integer
+        assert math.isnan(expected_calibration_error(np.array([[np.nan, np.nan], [0.9, 0.1]]), np.array([0, 0])))
 
 
 def test_calibration_lowers_the_ece_of_overconfident_logits():

@@ -801,6 +801,7 @@ def test_occasional_non_finite_steps_are_skipped_and_counted(synthetic_data_dir,
         assert all(torch.isfinite(t).all() for t in load_file(str(f)).values())
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # NaN logits are neither measured nor drawn
 def test_a_run_without_a_finite_validation_ends_with_an_error(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
     result = cli(*train_args(synthetic_data_dir, out), "--max-steps", "3", "--lr", "1e30")

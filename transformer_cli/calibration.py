@@ -72,7 +72,10 @@ def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = BINS) -> dict
 
 
 def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int = BINS) -> float:
-    """sum over bins of |bin| / N * |accuracy - confidence|; 0.0 for no examples."""
+    """sum over bins of |bin| / N * |accuracy - confidence|; 0.0 for no examples, NaN for probabilities
+    that are not all finite (logits that overflowed)."""
+    if not np.isfinite(np.asarray(probs, dtype=np.float64)).all():
+        return float("nan")
     r = reliability(probs, labels, bins)
     n = r["count"].sum()
     return float((r["count"] * np.abs(r["accuracy"] - r["confidence"])).sum() / n) if n else 0.0

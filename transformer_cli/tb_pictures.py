@@ -31,7 +31,7 @@ def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: 
                    tokenizer) -> None:
     """PR curves, confusion matrix image and confidently-wrong panel of one validation pass (its
     metrics, its (N, K) logits of `enc`); nothing without a writer (ranks other than the main one)."""
-    if writer is None:
+    if writer is None or not torch.isfinite(logits).all():  # a diverged pass: nothing to draw
         return
     probs = softmax(logits)
     for c, name in enumerate(names):
