@@ -237,8 +237,8 @@ def test_resuming_on_data_whose_classes_changed_is_refused(tmp_path):
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     r = tfm(*args, "--resume")
     assert r.exit_code == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [
+    assert r.stderr.strip().splitlines() == [(
         "tfm: error: the resumed run was trained on the classes (negative, neutral, positive), but its data now has "
         "(mixed, negative, positive); resume on the data it was trained with, or start a new run in another "
-        "--output-dir"]
+        "--output-dir")]
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
