@@ -34,8 +34,7 @@ from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import all_logits, evaluate_scaled
-from transformer_cli.fileio import (atomic_write_bytes, atomic_write_text, read_json, remove_stale_temp_files,
-                                   write_json)
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, read_json, remove_stale_temp_files, write_json
 from transformer_cli.model import CTransformer
 from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
