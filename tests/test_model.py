@@ -367,6 +367,30 @@ def test_adversarial_loss_adds_the_loss_at_the_moved_embeddings_in_training_only
     torch.testing.assert_close(objective, clean)  # evaluation measures the plain loss
 
 
+def test_adversarial_training_with_the_ngram_path_moves_the_transformers_input_only():
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(ngram_buckets=64), VOCAB, MAX_LEN).train()
+    with torch.no_grad():  # the path starts silent: give it scores, so that what it adds shows
+        model.ngrams.table.weight.normal_()
+    ids, mask = random_batch(LENGTHS, 0)
+    labels, eps = torch.tensor([0, 1, 1, 0]), 0.02
+    x, wide = model.encoder.embed(ids), model.ngrams(ids, mask).detach()
+
+    def loss(logits):
+        return F.cross_entropy(logits, labels)
+
+    deep = model.deep_logits(x, mask)
+    r = adversarial_step(loss(deep + wide), x, mask, eps)  # the path's scores held fixed
+    expected = loss(deep + wide) + loss(model.ngrams(ids, mask)) + loss(model.deep_logits(x + r, mask) + wide)
+    _, objective = model(ids, mask, labels, adversarial_eps=eps)
+    torch.testing.assert_close(objective, expected)
+
+    table = model.ngrams.table.weight  # the path learns from its own loss alone, with or without
+    (grad,) = torch.autograd.grad(objective, table)
+    (own,) = torch.autograd.grad(loss(model.ngrams(ids, mask)), table)
+    torch.testing.assert_close(grad, own)
+
+
 def test_word_dropout_hides_tokens_from_the_transformer_only():
     torch.manual_seed(0)
     model = CTransformer(model_cfg(ngram_buckets=64, token_dropout=0.5), VOCAB, MAX_LEN).train()
