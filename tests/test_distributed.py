@@ -17,7 +17,7 @@ def _train(args: list[str], out: Path, env: dict, nproc: int, command: str = "tr
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "transformer_cli", command, *args, "-o", str(out), "--no-progress"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -82,27 +82,15 @@ def test_pretraining_runs_and_resumes_under_torchrun(synthetic_data_dir, tmp_pat
     assert [d.name for d in (out / "checkpoints").iterdir()] == ["step-00000003", "step-00000006"]
 
 
-def test_resume_with_another_world_size_is_refused(synthetic_data_dir, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = tmp_path / "run"
-    args = ["--config", "configs/tiny.toml", "--data", str(synthetic_data_dir), "--max-steps", "3"]
-    first = _train(args, out, env, nproc=2)
-    assert first.returncode == 0, first.stderr[-6000:]
-    r = _train([*args, "--max-steps", "6", "--resume"], out, env, nproc=1)
-    assert r.returncode == 2
-    assert "world size: 2 -> 1" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-def test_sigterm_to_one_rank_stops_all_ranks_with_one_checkpoint(synthetic_data_dir, tmp_path):
+def test_sigterm_to_one_rank_stops_all_ranks_with_a_checkpoint_only_as_many_resume(synthetic_data_dir, tmp_path):
     import signal
     import time
 
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TFM_TEST_OWNER": str(os.getpid())}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "transformer_cli", "train", "--config", "configs/tiny.toml", "--data", str(synthetic_data_dir),
+    tfm = ["-m", "transformer_cli", "train", "--config", "configs/tiny.toml", "--data", str(synthetic_data_dir),
            "--epochs", "500", "-o", str(out), "--no-progress"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *tfm]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out / "checkpoints").is_dir():  # training is under way once a checkpoint exists
@@ -124,9 +112,13 @@ def test_sigterm_to_one_rank_stops_all_ranks_with_one_checkpoint(synthetic_data_
     after = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
     assert after[-1] not in before  # the stop wrote a new checkpoint at a step boundary
 
-    # The same world size resumes from it (--force: a shorter max_steps, to finish quickly).
+    # One process refuses to resume it (the global batch would change); the same world size resumes
+    # from it (--force: a shorter max_steps, to finish quickly).
     stopped_at = int(after[-1].split("-")[1])
+    alone = subprocess.run([sys.executable, *tfm, "--resume"], env=env, capture_output=True, text=True, timeout=120,
+                           check=False)
+    assert alone.returncode == 2 and "world size: 2 -> 1" in alone.stderr and "Traceback" not in alone.stderr
     resumed = subprocess.run([*cmd, "--max-steps", str(stopped_at + 3), "--resume", "--force"],
-                             env=env, capture_output=True, text=True, timeout=120)
+                             env=env, capture_output=True, text=True, timeout=120, check=False)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((out / "metrics.json").read_text())["steps"] == stopped_at + 3
