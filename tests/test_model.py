@@ -17,8 +17,10 @@ from transformer_cli.model import (
     drop_tokens,
     dropout,
     fused_attention,
+    kl_from,
     pool,
     sinusoidal_table,
+    virtual_adversarial_step,
 )
 
 D_MODEL, N_HEADS, VOCAB, MAX_LEN = 32, 4, 50, 24
@@ -389,6 +391,54 @@ def test_adversarial_training_with_the_ngram_path_moves_the_transformers_input_o
     (grad,) = torch.autograd.grad(objective, table)
     (own,) = torch.autograd.grad(loss(model.ngrams(ids, mask)), table)
     torch.testing.assert_close(grad, own)
+
+
+def test_virtual_adversarial_step_has_the_set_norm_and_moves_the_predictions_more_than_random_directions():
+    model, _, mask, _, x = adversarial_setup()
+    eps = 0.01
+
+    def logits_at(x):
+        return model.deep_logits(x, mask)
+
+    target = logits_at(x).detach()
+    torch.manual_seed(1)
+    r = virtual_adversarial_step(logits_at, x, mask, target, eps)
+    assert not r.requires_grad and r.shape == x.shape
+    assert r[~mask].abs().max() == 0  # padding is not moved
+    x_norm = (x.detach() * mask[..., None]).flatten(1).norm(dim=1)
+    torch.testing.assert_close(r.flatten(1).norm(dim=1), eps * x_norm)
+
+    with torch.no_grad():
+        moved = kl_from(target, logits_at(x + r), reduction="none")  # (B,)
+        assert (moved > 0).all()
+        g = torch.Generator().manual_seed(3)
+        for _ in range(20):  # random directions of the same norms move them less, text by text
+            noise = torch.randn(x.shape, generator=g) * mask[..., None]
+            noise *= (r.flatten(1).norm(dim=1) / noise.flatten(1).norm(dim=1))[:, None, None]
+            assert (moved > kl_from(target, logits_at(x + noise), reduction="none")).all()
+
+
+def test_virtual_adversarial_loss_adds_the_divergence_at_the_moved_embeddings_without_labels():
+    model, ids, mask, labels, x = adversarial_setup()
+    eps = 0.02
+    clean_logits = model.deep_logits(x, mask)
+    clean = F.cross_entropy(clean_logits, labels)
+    torch.manual_seed(5)
+    r = virtual_adversarial_step(lambda e: model.deep_logits(e, mask), x, mask, clean_logits.detach(), eps)
+    expected = clean + kl_from(clean_logits.detach(), model.deep_logits(x + r, mask))
+    torch.manual_seed(5)  # the same random start of the power iteration
+    _, objective = model(ids, mask, labels, virtual_adversarial_eps=eps)
+    torch.testing.assert_close(objective, expected)
+    assert objective > clean
+
+    # The added term does not depend on the labels: flipped labels change the clean loss alone.
+    torch.manual_seed(5)
+    _, flipped = model(ids, mask, 1 - labels, virtual_adversarial_eps=eps)
+    torch.testing.assert_close(flipped - F.cross_entropy(clean_logits, 1 - labels), objective - clean)
+
+    model.eval()
+    _, objective = model(ids, mask, labels, virtual_adversarial_eps=eps)
+    torch.testing.assert_close(objective, clean)  # evaluation measures the plain loss
 
 
 def test_word_dropout_hides_tokens_from_the_transformer_only():

@@ -192,8 +192,8 @@ def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path)
         pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
 
 
-@pytest.mark.parametrize("setting", [{"model__lazy_embeddings": True},
-                                     {"train__label_smoothing": 0.1}, {"train__adversarial_eps": 0.01}])
+@pytest.mark.parametrize("setting", [{"model__lazy_embeddings": True}, {"train__label_smoothing": 0.1},
+                                     {"train__adversarial_eps": 0.01}, {"train__virtual_adversarial_eps": 0.01}])
 def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, setting):
     (key,) = setting
     with pytest.raises(UsageError, match=key.replace("__", ".")):

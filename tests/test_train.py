@@ -264,9 +264,10 @@ def test_samples_per_sec_leaves_validation_and_checkpoints_out(synthetic_data_di
 @pytest.mark.parametrize("model", [{}, {"model__ngram_buckets": 64, "model__token_dropout": 0.5},
                                    {"model__ngram_buckets": 64, "model__lazy_embeddings": True},
                                    {"model__ngram_buckets": 64, "model__dropout": 0.1, "train__precision": "bf16"},
-                                   {"model__token_dropout": 0.5, "train__adversarial_eps": 0.05}],
+                                   {"model__token_dropout": 0.5, "train__adversarial_eps": 0.05,
+                                    "train__virtual_adversarial_eps": 0.05}],
                          ids=["tiny", "the default's n-gram path and word dropout", "lazy embedding updates",
-                              "bf16 autocast with dropout", "adversarial training"])
+                              "bf16 autocast with dropout", "adversarial and virtual adversarial training"])
 def test_resume_after_max_steps_equals_an_uninterrupted_run(synthetic_data_dir, tmp_path, model, monkeypatch):
     monkeypatch.setattr(runtime, "cpu_has_fast_bf16", lambda: True)  # where bf16 is emulated: slower, as exact
 

@@ -205,6 +205,7 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     label_smoothing: float = 0.0
     adversarial_eps: float = 0.0  # > 0: adversarial training on the embeddings, moved by this share of their norm
+    virtual_adversarial_eps: float = 0.0  # > 0: virtual adversarial training (no labels needed), the same share
     ema_decay: float = 0.999  # > 0: validate and save an exponential moving average of the weights; 0: off
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -261,8 +262,9 @@ class TrainConfig(_Section):
             self._fail("grad_clip", "must be non-negative (0 disables clipping)")
         if not 0.0 <= self.label_smoothing < 1.0:
             self._fail("label_smoothing", "must be in [0, 1)")
-        if not 0.0 <= self.adversarial_eps < 1.0:
-            self._fail("adversarial_eps", "must be in [0, 1): the perturbation's share of the embeddings' norm")
+        for name in ("adversarial_eps", "virtual_adversarial_eps"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                self._fail(name, "must be in [0, 1): the perturbation's share of the embeddings' norm")
         if not 0.0 <= self.ema_decay < 1.0:
             self._fail("ema_decay", "must be in [0, 1) (0 disables the average)")
         if self.batch_size % self.grad_accum_steps:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -203,11 +204,38 @@ def adversarial_step(loss: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, ep
     embeddings' own norm makes `eps` a share, the same for any width, length or embedding scale.
     """
     (g,) = torch.autograd.grad(loss, x, retain_graph=True)  # (B, T, C); the parameters' gradients untouched
-    g, real = g.detach().float(), mask.unsqueeze(-1)  # (B, T, C), (B, T, 1)
+    return scaled_like(g, x, mask, eps)
+
+
+VAT_PROBE = 1e-3  # small: the change in the predictions it causes is what the gradient measures
+
+
+def virtual_adversarial_step(logits_at: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                             mask: torch.Tensor, target: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T, C): the perturbation of embeddings `x` that moves the predictions `logits_at(x)` away
+    from `target` (B, K logits, held fixed) the most, found without labels: virtual adversarial
+    training's one power iteration (Miyato et al. 2017), from a random direction of VAT_PROBE times
+    the embeddings' norm. Scaled as adversarial_step's; held fixed (no gradient)."""
+    probe = (x.detach() + scaled_like(torch.randn_like(x), x, mask, VAT_PROBE)).requires_grad_()  # (B, T, C)
+    (g,) = torch.autograd.grad(kl_from(target, logits_at(probe)), probe)  # (B, T, C)
+    return scaled_like(g, x, mask, eps)
+
+
+def scaled_like(v: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """(B, T, C): `v` on the real tokens, each text's scaled to `eps` times the norm of its real tokens'
+    embeddings `x`; detached, in x's dtype."""
+    v, real = v.detach().float(), mask.unsqueeze(-1)  # (B, T, C), (B, T, 1)
     x_norm = (x.detach().float() * real).flatten(1).norm(dim=1)  # (B,)
-    g_norm = (g * real).flatten(1).norm(dim=1).clamp(min=1e-12)  # (B,)
-    r = g * real * (eps * x_norm / g_norm)[:, None, None]  # (B, T, C)
-    return r.to(x.dtype)
+    v_norm = (v * real).flatten(1).norm(dim=1).clamp(min=1e-12)  # (B,)
+    return (v * real * (eps * x_norm / v_norm)[:, None, None]).to(x.dtype)
+
+
+def kl_from(target: torch.Tensor, logits: torch.Tensor, reduction: str = "batchmean") -> torch.Tensor:
+    """KL(softmax(target) || softmax(logits)), from (B, K) logits; the mean over texts, or per text
+    with reduction "none" (B,)."""
+    p, q = target.float().log_softmax(-1), logits.float().log_softmax(-1)  # (B, K) each
+    kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)  # (B,)
+    return kl.mean() if reduction == "batchmean" else kl
 
 
 class NgramBag(nn.Module):
@@ -265,7 +293,7 @@ class CTransformer(nn.Module):
 
     def forward(
         self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None, label_smoothing: float = 0.0,
-        adversarial_eps: float = 0.0,
+        adversarial_eps: float = 0.0, virtual_adversarial_eps: float = 0.0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The logits, or with `labels` the logits and the training loss.
 
@@ -273,9 +301,11 @@ class CTransformer(nn.Module):
         would, and the transformer from the loss of the sum with the path's scores held fixed:
         it learns what the path gets wrong.
 
-        With `adversarial_eps` > 0 (training only), the loss adds the adversarial loss of Miyato et
-        al. (2017): the transformer's loss again, on embeddings moved in the direction that raises
-        it most, by `adversarial_eps` times their norm (see `adversarial_step`).
+        In training, two regularisers of Miyato et al. (2017) move the transformer's embeddings by a
+        share of their norm and add a loss there. With `adversarial_eps` > 0: the loss again, in the
+        direction that raises it most (see `adversarial_step`). With `virtual_adversarial_eps` > 0:
+        the KL divergence of the predictions there from the clean ones, in the direction that changes
+        them most, which needs no label (see `virtual_adversarial_step`).
         """
         wide = None if self.ngrams is None else self.ngrams(ids, mask)  # (B, num_labels)
         positions = None
@@ -295,10 +325,20 @@ class CTransformer(nn.Module):
             objective = loss(logits)
         else:
             objective = loss(deep + wide.detach()) + loss(wide)
-        if adversarial_eps > 0 and self.training:
-            fixed = 0.0 if wide is None else wide.detach()  # the perturbation is the transformer's alone
+        if not self.training:
+            return logits, objective
+        fixed = 0.0 if wide is None else wide.detach()  # the perturbations are the transformer's alone
+
+        def logits_at(x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, num_labels)
+            return self.deep_logits(x, mask) + fixed
+
+        if adversarial_eps > 0:
             x_adv = x + adversarial_step(loss(deep + fixed), x, mask, adversarial_eps)  # (B, T, C)
-            objective = objective + loss(self.deep_logits(x_adv, mask) + fixed)
+            objective = objective + loss(logits_at(x_adv))
+        if virtual_adversarial_eps > 0:
+            target = (deep + fixed).detach()  # (B, num_labels): the clean predictions, held fixed
+            x_vadv = x + virtual_adversarial_step(logits_at, x, mask, target, virtual_adversarial_eps)  # (B, T, C)
+            objective = objective + kl_from(target, logits_at(x_vadv))
         return logits, objective
 
     def deep_logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -275,7 +275,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
     if cfg.model.lazy_embeddings:
         raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
-    for name in ("label_smoothing", "adversarial_eps"):
+    for name in ("label_smoothing", "adversarial_eps", "virtual_adversarial_eps"):
         if getattr(tc, name):
             raise UsageError(f"train.{name} shapes the classifier's loss (`tfm train`); `tfm pretrain` does not use it")
     if tc.select_metric not in PRETRAIN_METRICS:

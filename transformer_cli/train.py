@@ -263,10 +263,12 @@ class Classification:
     prefix = "train"
 
     def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int,
-                 select_metric: str = "accuracy", tokenizer=None, adversarial_eps: float = 0.0):
+                 select_metric: str = "accuracy", tokenizer=None, adversarial_eps: float = 0.0,
+                 virtual_adversarial_eps: float = 0.0):
         self.train, self.val, self.labels = train, val, labels
         self.tokenizer = tokenizer  # the run's, to show validation reviews as text (TensorBoard pictures)
         self.label_smoothing, self.adversarial_eps = label_smoothing, adversarial_eps
+        self.virtual_adversarial_eps = virtual_adversarial_eps
         self.eval_batch_size = eval_batch_size
         self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
@@ -278,9 +280,10 @@ class Classification:
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, mask, y = batch.tensors
-        logits, objective = engine(ids, mask, y, self.label_smoothing, self.adversarial_eps)
+        logits, objective = engine(ids, mask, y, self.label_smoothing, self.adversarial_eps,
+                                   self.virtual_adversarial_eps)
         # Logged as train/loss: the model's cross-entropy, the quantity val/loss measures (the
-        # objective may add label smoothing, the n-gram path's own loss and the adversarial loss).
+        # objective may add label smoothing, the n-gram path's own loss and the adversarial losses).
         return objective, {"loss": F.cross_entropy(logits.detach().float(), y)}
 
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
@@ -816,7 +819,8 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if tc.init_from and resume_dir is None:
         load_encoder(model.encoder, Path(tc.init_from))
     task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size,
-                          tc.select_metric or "accuracy", data.tokenizer, tc.adversarial_eps)
+                          tc.select_metric or "accuracy", data.tokenizer, tc.adversarial_eps,
+                          tc.virtual_adversarial_eps)
     files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
