@@ -82,7 +82,7 @@ def test_pretraining_runs_and_resumes_under_torchrun(synthetic_data_dir, tmp_pat
     assert [d.name for d in (out / "checkpoints").iterdir()] == ["step-00000003", "step-00000006"]
 
 
-def test_sigterm_to_one_rank_stops_all_ranks_with_a_checkpoint_only_as_many_resume(synthetic_data_dir, tmp_path):
+def test_sigterm_to_one_rank_stops_all_ranks_and_only_as_many_resume(synthetic_data_dir, tmp_path):
     import signal
     import time
 
