@@ -217,7 +217,7 @@ def virtual_adversarial_step(logits_at: Callable[[torch.Tensor], torch.Tensor], 
     training's one power iteration (Miyato et al. 2017), from a random direction of VAT_PROBE times
     the embeddings' norm. Scaled as adversarial_step's; held fixed (no gradient)."""
     probe = (x.detach() + scaled_like(torch.randn_like(x), x, mask, VAT_PROBE)).requires_grad_()  # (B, T, C)
-    (g,) = torch.autograd.grad(kl_from(target, logits_at(probe)), probe)  # (B, T, C)
+    (g,) = torch.autograd.grad(kl_from(target, logits_at(probe)).mean(), probe)  # (B, T, C)
     return scaled_like(g, x, mask, eps)
 
 
@@ -230,12 +230,10 @@ def scaled_like(v: torch.Tensor, x: torch.Tensor, mask: torch.Tensor, eps: float
     return (v * real * (eps * x_norm / v_norm)[:, None, None]).to(x.dtype)
 
 
-def kl_from(target: torch.Tensor, logits: torch.Tensor, reduction: str = "batchmean") -> torch.Tensor:
-    """KL(softmax(target) || softmax(logits)), from (B, K) logits; the mean over texts, or per text
-    with reduction "none" (B,)."""
+def kl_from(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """(B,): each text's KL(softmax(target) || softmax(logits)), from (B, K) logits."""
     p, q = target.float().log_softmax(-1), logits.float().log_softmax(-1)  # (B, K) each
-    kl = F.kl_div(q, p, log_target=True, reduction="none").sum(-1)  # (B,)
-    return kl.mean() if reduction == "batchmean" else kl
+    return F.kl_div(q, p, log_target=True, reduction="none").sum(-1)
 
 
 class NgramBag(nn.Module):
@@ -338,7 +336,7 @@ class CTransformer(nn.Module):
         if virtual_adversarial_eps > 0:
             target = (deep + fixed).detach()  # (B, num_labels): the clean predictions, held fixed
             x_vadv = x + virtual_adversarial_step(logits_at, x, mask, target, virtual_adversarial_eps)  # (B, T, C)
-            objective = objective + kl_from(target, logits_at(x_vadv))
+            objective = objective + kl_from(target, logits_at(x_vadv)).mean()
         return logits, objective
 
     def deep_logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
