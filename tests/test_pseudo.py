@@ -38,10 +38,12 @@ def test_pseudo_label_writes_what_predict_says_of_each_review(trained_dir, unlab
 
 def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch):
     """Two teachers: the mean of their probabilities, whose winner may be neither one's."""
+    from datasets import Dataset
+
     from transformer_cli import pseudo
 
     texts = ["first review", "second review", "third review"]
-    monkeypatch.setattr(pseudo, "split_texts", lambda *_: texts)
+    monkeypatch.setattr(pseudo, "split_table", lambda *_: Dataset.from_dict({"text": texts}))
     answers = iter([np.array([[0.9, 0.1], [0.4, 0.6], [0.45, 0.55]]), np.array([[0.6, 0.4], [0.8, 0.2], [0.65, 0.35]])])
     monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
     out = tmp_path / "p.jsonl"
@@ -50,6 +52,46 @@ def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch
                                {"text": "second review", "label": "neg", "score": 0.6},
                                {"text": "third review", "label": "neg", "score": 0.55}]
     assert summary["per_class"] == {"neg": 3, "pos": 0}
+
+
+def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unlabelled, tmp_path, monkeypatch):
+    """With chunks of 7 reviews the model never sees more than 7 at once, and the file says what it says
+    when the whole split is one chunk. A failure midway leaves the earlier file as it was."""
+    from transformer_cli import pseudo
+
+    source, texts = unlabelled
+    whole, chunked = tmp_path / "whole.jsonl", tmp_path / "chunked.jsonl"
+    assert len(texts) <= pseudo.CHUNK_TEXTS  # one chunk by default
+    pseudo.pseudo_label([trained_dir], whole, source)
+    seen = []
+    real = pseudo.predict_proba
+
+    def spy(model, tokenizer, chunk, *args):
+        seen.append(len(chunk))
+        return real(model, tokenizer, chunk, *args)
+
+    monkeypatch.setattr(pseudo, "predict_proba", spy)
+    monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 7)
+    summary = pseudo.pseudo_label([trained_dir, trained_dir], chunked, source)
+    assert max(seen) == 7 and sum(seen) == 2 * len(texts)  # each chunk through each teacher
+    rows, expected = read_jsonl(chunked), read_jsonl(whole)  # two equal teachers average to one
+    assert [(r["text"], r["label"]) for r in rows] == [(r["text"], r["label"]) for r in expected]
+    assert [r["score"] for r in rows] == pytest.approx([r["score"] for r in expected], abs=2e-6)
+    assert summary["reviews"] == len(texts)
+
+    def fail(*_):
+        if len(seen) > 4:
+            raise TfmError("stopped midway")
+        seen.append(0)
+        return np.full((7, 2), 0.5)
+
+    seen.clear()
+    before = chunked.read_bytes()
+    monkeypatch.setattr(pseudo, "predict_proba", fail)
+    with pytest.raises(TfmError, match="stopped midway"):
+        pseudo.pseudo_label([trained_dir], chunked, source)
+    assert chunked.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked.jsonl", "whole.jsonl"]  # no temporary file left
 
 
 def pseudo_cfg(data_dir, path, **kw) -> DataConfig:
@@ -122,6 +164,17 @@ def test_pseudo_label_usage_errors(trained_dir, synthetic_data_dir, tmp_path):
     assert not (tmp_path / "run").exists()
     assert_fails_cleanly(tfm("train", "--config", CONFIGS / "tiny.toml", "data.pseudo_min_score=1.0"), 2,
                          "pseudo_min_score")
+
+
+def test_an_empty_review_is_named_before_any_is_labelled(trained_dir, tmp_path, monkeypatch):
+    from transformer_cli import pseudo
+
+    monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 2)  # the bad row in the second chunk: its row counts from the split's start
+    path = write_jsonl(tmp_path / "u.jsonl", [{"text": "a good film"}, {"text": "dull"}, {"text": "  "}])
+    out = tmp_path / "p.jsonl"
+    with pytest.raises(TfmError, match=r"empty or non-text value in column 'text' \(row 3\)"):
+        pseudo.pseudo_label([trained_dir], out, f"unsupervised={path}")
+    assert not out.exists()
 
 
 def test_teachers_must_share_their_classes(trained_dir, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import io
 import json
 import re
 import tarfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -179,6 +179,22 @@ def open_text_source(source: str):
         return open_dataset(source)
     raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, or "
                      ".txt/.csv/.jsonl/.parquet file(s)")
+
+
+def text_chunks(tables: list, column: str, size: int, limit: int | None = None) -> Iterator[list[str]]:
+    """The first `limit` (default: all) texts of `tables`, in order, `size` at a time: only one chunk is
+    in memory at once."""
+    left = limit
+    for table in tables:
+        for chunk in table.iter(batch_size=size):
+            texts = chunk[column][:left]
+            if any(not isinstance(t, str) for t in texts):
+                raise TfmError(f"column '{column}' holds empty or non-text values")
+            yield texts
+            if left is not None:
+                left -= len(texts)
+                if left <= 0:
+                    return
 
 
 def named_files(source: str) -> dict[str, str] | None:

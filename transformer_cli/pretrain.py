@@ -34,6 +34,7 @@ from transformer_cli.data import (
     collate,
     encode_texts,
     open_text_source,
+    text_chunks,
 )
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
@@ -79,22 +80,6 @@ def text_splits(cfg: Config) -> list:
             raise TfmError(f"split '{split}' of '{source}' has no column '{column}' (columns: "
                            f"{', '.join(ds[split].column_names)}); set data.text_column")
     return [ds[split].select_columns([column]) for split in wanted]
-
-
-def text_chunks(tables: list, column: str, size: int, limit: int | None = None) -> Iterator[list[str]]:
-    """The first `limit` (default: all) texts of `tables`, in order, `size` at a time: only one chunk is
-    in memory at once."""
-    left = limit
-    for table in tables:
-        for chunk in table.iter(batch_size=size):
-            texts = chunk[column][:left]
-            if any(not isinstance(t, str) for t in texts):
-                raise TfmError(f"column '{column}' holds empty or non-text values")
-            yield texts
-            if left is not None:
-                left -= len(texts)
-                if left <= 0:
-                    return
 
 
 # --------------------------------------------------------------------------- the corpus

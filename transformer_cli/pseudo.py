@@ -7,7 +7,9 @@ the transformer alone: the teachers are `tfm train` runs too. Several teachers a
 calibrated probabilities.
 
 The file is JSON lines, one per review in the split's order: {"text", "label", "score"}, where
-score is the (averaged) probability of the label. Validation and test labels are never read.
+score is the (averaged) probability of the label. Validation and test labels are never read. The
+split is read from its memory-mapped table and labelled and written a chunk at a time, so a split
+larger than memory can be labelled.
 """
 
 from __future__ import annotations
@@ -19,39 +21,49 @@ from pathlib import Path
 import numpy as np
 
 from transformer_cli.calibration import saved_temperature
-from transformer_cli.data import open_text_source, sample_indices
+from transformer_cli.data import open_text_source, sample_indices, text_chunks
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
-from transformer_cli.fileio import atomic_write_text
+from transformer_cli.fileio import atomic_writer
 
 UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
+CHUNK_TEXTS = 4096  # reviews read, labelled and written at a time: one chunk is in memory, whatever the split's size
 
 
-def split_texts(source: str, split: str, column: str) -> list[str]:
-    """The `column` texts of one split of a data source (Hub id, Hub-layout folder or data files)."""
+def split_table(source: str, split: str, column: str, max_samples: int | None = None):
+    """One split of a data source (Hub id, Hub-layout folder or data files) as a memory-mapped `datasets`
+    table of its `column` (a seeded sample of `max_samples` rows), every value checked to be non-empty
+    text before any is labelled."""
     ds = open_text_source(source)
     if split not in ds:
         raise UsageError(f"'{source}' has no split '{split}' (it has: {', '.join(ds)}); pass --split")
     if column not in ds[split].column_names:
         raise TfmError(f"split '{split}' of '{source}' has no column '{column}' (columns: "
                        f"{', '.join(ds[split].column_names)}); set the teachers' data.text_column")
-    texts = ds[split][column]
-    if not texts:
+    table = ds[split].select_columns([column])
+    if not len(table):
         raise TfmError(f"split '{split}' of '{source}' is empty")
-    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()), None)
-    if bad is not None:
-        raise TfmError(f"split '{split}' of '{source}' has an empty or non-text value in column '{column}' "
-                       f"(row {bad + 1})")
-    return texts
+    row = 0
+    for chunk in table.iter(batch_size=CHUNK_TEXTS):
+        texts = chunk[column]
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()), None)
+        if bad is not None:
+            raise TfmError(f"split '{split}' of '{source}' has an empty or non-text value in column '{column}' "
+                           f"(row {row + bad + 1})")
+        row += len(texts)
+    if max_samples is not None:
+        table = table.select(sample_indices(np.arange(len(table)), max_samples, SUBSET_SEED))
+    return table
 
 
 def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, split: str = UNLABELLED_SPLIT,
                  max_samples: int | None = None, device: str = "auto", batch_size: int = 64,
                  precision: str | None = None) -> dict:
     """Write `output` (JSON lines: text, label, score) with the teachers' averaged calibrated
-    probabilities on `split` of `data` (default: the first teacher's dataset). Returns a summary:
-    reviews, per-class counts, median score, seconds."""
+    probabilities on `split` of `data` (default: the first teacher's dataset), CHUNK_TEXTS reviews at a
+    time; the file appears whole when every review is labelled. Returns a summary: reviews, per-class
+    counts, median score, seconds."""
     if not teachers:
         raise UsageError("pass at least one teacher with -c DIR (the output directory of `tfm train`)")
     if split == "test":
@@ -65,25 +77,28 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
         if other != labels:
             raise TfmError(f"teacher '{t}' has classes {', '.join(other)}, but '{teachers[0]}' has "
                            f"{', '.join(labels)}; teachers must share their classes")
-    cfg = loaded[0][2]
-    texts = split_texts(data or cfg.data.source, split, cfg.data.text_column)
-    if max_samples is not None:
-        texts = [texts[i] for i in sample_indices(np.arange(len(texts)), max_samples, SUBSET_SEED)]
+    column = loaded[0][2].data.text_column
+    table = split_table(data or loaded[0][2].data.source, split, column, max_samples)
+    temperatures = [saved_temperature(t) for t in teachers]
     t0 = time.perf_counter()
-    probs = np.zeros((len(texts), len(labels)))
-    for path, (rt, model, tcfg, tokenizer, _) in zip(teachers, loaded):
-        d = tcfg.data
-        probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size,
-                               saved_temperature(path))
-    probs /= len(teachers)
-    seconds = time.perf_counter() - t0
-    winner, score = probs.argmax(1), probs.max(1)
-    atomic_write_text(output, "".join(
-        json.dumps({"text": text, "label": labels[k], "score": round(float(s), 6)}) + "\n"
-        for text, k, s in zip(texts, winner, score)))
+    scores, counts = [], np.zeros(len(labels), dtype=np.int64)
+    with atomic_writer(output) as f:
+        for texts in text_chunks([table], column, CHUNK_TEXTS):
+            probs = np.zeros((len(texts), len(labels)))
+            for (rt, model, cfg, tokenizer, _), temperature in zip(loaded, temperatures):
+                d = cfg.data
+                probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
+                                       batch_size, temperature)
+            probs /= len(teachers)
+            winner, score = probs.argmax(1), probs.max(1)
+            f.write("".join(json.dumps({"text": text, "label": labels[k], "score": round(float(p), 6)}) + "\n"
+                            for text, k, p in zip(texts, winner, score)).encode("utf-8"))
+            scores.append(score)
+            counts += np.bincount(winner, minlength=len(labels))
+    scores = np.concatenate(scores)
     return {
-        "reviews": len(texts),
-        "per_class": {name: int((winner == k).sum()) for k, name in enumerate(labels)},
-        "median_score": float(np.median(score)),
-        "seconds": seconds,
+        "reviews": len(scores),
+        "per_class": {name: int(n) for name, n in zip(labels, counts)},
+        "median_score": float(np.median(scores)),
+        "seconds": time.perf_counter() - t0,
     }
