@@ -347,8 +347,8 @@ def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
 
 
 @pytest.mark.parametrize(("name", "content", "fragment"), [
-    ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', "could not read {path}: An error occurred while "
-                                                              "generating the dataset: JSON parse error"),
+    ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', ("could not read {path}: An error occurred while "
+                                                               "generating the dataset: JSON parse error")),
     ("bad.csv", b'text,label\n"unterminated,0\nb,1\n', "Error tokenizing data"),
     ("empty.csv", b"", "No columns to parse from file"),
     ("fake.tar.gz", b"\x00not an archive" * 100, "could not read '{path}' as a tar archive"),

@@ -79,7 +79,7 @@ def test_stratified_split_of_single_examples_is_the_original_draw(imbalanced_lab
     expected_val = []
     for label in (0, 1):
         idx = rng.permutation(np.flatnonzero(imbalanced_labels == label))
-        expected_val.append(idx[: int(round(len(idx) * 0.25))])
+        expected_val.append(idx[: round(len(idx) * 0.25)])
     _, val = stratified_split(imbalanced_labels, 0.25, seed=3, block=1)
     assert np.array_equal(val, np.sort(np.concatenate(expected_val)))
 

@@ -143,7 +143,7 @@ def open_dataset(source: str):
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         return datasets.load_dataset(source, trust_remote_code=False)
-    except Exception as e:  # datasets raises many types for missing/offline/unreadable sources
+    except Exception as e:  # noqa: BLE001 (datasets raises many types for missing/offline/unreadable sources)
         raise TfmError(
             f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH"
         ) from None
@@ -165,7 +165,7 @@ def open_dataset_files(files: dict[str, str]):
     kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
     try:
         return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
         raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
 
 
@@ -378,7 +378,7 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
         idx = np.flatnonzero(labels == label)
         runs = [idx[i : i + block] for i in range(0, len(idx), block)]
         order = rng.permutation(len(runs))
-        n_val = int(round(len(runs) * val_size))
+        n_val = round(len(runs) * val_size)
         if len(runs) >= 2:
             n_val = min(max(n_val, 1), len(runs) - 1)
         val += [runs[i] for i in order[:n_val]]
@@ -428,8 +428,8 @@ def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint:
     if path.is_file():
         try:
             return Tokenizer.from_file(str(path))
-        except Exception:
-            pass  # a damaged cache entry is rebuilt below
+        except Exception:  # noqa: BLE001, S110 (a damaged cache entry is rebuilt below)
+            pass
     tok = train_tokenizer(texts, cfg, n)
     try:
         atomic_write_text(path, tok.to_str())
@@ -446,7 +446,7 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
         return ids
     if strategy == "head":
         return ids[:limit]
-    head = int(round(limit * head_fraction))
+    head = round(limit * head_fraction)
     return ids[:head] + ids[len(ids) - (limit - head) :]
 
 
@@ -477,7 +477,7 @@ def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: 
     """truncate(ids of `text`), encoding only as much of its two ends as the kept tokens need: a huge
     review would take a lot of memory and time to encode whole. Each end is cut where a word ends,
     and grows until it holds enough tokens; text that never does is encoded whole."""
-    n_head = limit if truncation == "head" else int(round(limit * head_fraction))
+    n_head = limit if truncation == "head" else round(limit * head_fraction)
     n_tail = limit - n_head
     chars = 8 * limit + 64
     while 2 * chars < len(text):

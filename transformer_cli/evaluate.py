@@ -250,7 +250,7 @@ def load_model_dir(path: str | Path, device="cpu"):
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
     try:
         tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file)
         raise TfmError(f"tokenizer '{out / TOKENIZER_FILE}' is unreadable ({e})") from None
     if tokenizer.get_vocab_size() != vocab_size:
         raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
