@@ -235,6 +235,25 @@ def test_bench_infer_compares_the_attention_kernel_with_sdpa(trained_dir, synthe
     assert rows[1]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-2)  # ... on the same attention
 
 
+def test_bench_onnx_times_every_eager_path_beside_onnxruntime(trained_dir, synthetic_data_dir, tmp_path):
+    out = tmp_path / "onnx.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_onnx.py"), "-c", str(trained_dir), "--data",
+           str(synthetic_data_dir), "--texts", "40", "--repeats", "1", "--json", str(out)]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["models"]
+    rows = {r["path"]: r for r in result["rows"]}
+    kernel = torch.cpu._is_avx512_bf16_supported() and "available" in json.loads(out.read_text())["kernel"]
+    bf16 = ["eager bf16 (kernel)", "eager bf16, kernel off"] if kernel else []
+    assert list(rows) == ["eager fp32", *bf16, "onnxruntime fp32"]  # the run trained in fp32: eager's is fp32
+    assert rows["eager fp32"]["ratio"] == 1.0 and rows["eager fp32"]["max_abs_logit_diff"] == 0.0
+    assert rows["onnxruntime fp32"]["max_abs_logit_diff"] < 1e-4  # the same model in another runtime
+    for path in bf16:  # bf16 rounds, within its precision; the kernel and torch's attention differ
+        assert 0 < rows[path]["max_abs_logit_diff"] < 0.1
+    for path, r in rows.items():  # one round: its time is the median
+        assert r["reviews_per_sec"] == pytest.approx(40 / result["sec_all"][path][0])
+
+
 @needs_cxx
 def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "infer.json"

@@ -10,8 +10,9 @@ reviews, the CPU token budget):
 interleaved over --repeats rounds (median reviews/s), with the largest logit difference between the two.
 
 The hand-written bf16 attention kernel (transformer_cli/kernels.py) runs only on CPUs with AVX-512
-BF16; the script says whether this one has it, and where it does, also times eager in bf16 (the
-kernel's path) against eager fp32 and onnxruntime. Model time only: tokenization is the same for all.
+BF16; the script says whether this one has it, and where it does, times every eager path against
+onnxruntime: fp32, bf16 with the kernel, and bf16 with torch's attention (the kernel off), the first
+of them the baseline of the ratios. Model time only: tokenization is the same for all.
 
     python scripts/bench/bench_onnx.py -c runs/tfm --untrained-config configs/seed.toml --json onnx.json
 """
@@ -90,6 +91,7 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     import torch
 
     from transformer_cli import evaluate as ev
+    from transformer_cli import kernels
     from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.export import OnnxClassifier, export_onnx
@@ -109,11 +111,22 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     paths = {f"eager {rt.precision}": lambda: ev.batched_logits(model, enc, batches, rt, len(labels)).numpy()
              / temperature,
              "onnxruntime fp32": lambda: onnx_logits(clf, enc, batches)}
-    if with_bf16 and rt.amp_dtype is None:
-        rt_bf16 = ev.make_runtime("cpu", "fp32")
+    if with_bf16:  # every eager path: fp32, bf16 with the kernel, bf16 with torch's attention
+        rt_fp32, rt_bf16 = ev.make_runtime("cpu", "fp32"), ev.make_runtime("cpu", "fp32")
         rt_bf16.amp_dtype = resolve_precision("bf16", rt_bf16.device)
-        paths["eager bf16 (kernel)"] = lambda: ev.batched_logits(model, enc, batches, rt_bf16,
-                                                                 len(labels)).numpy() / temperature
+
+        def eager(run_rt, kernel: bool = True):
+            def run():
+                before, kernels.enabled = kernels.enabled, kernel
+                try:
+                    return ev.batched_logits(model, enc, batches, run_rt, len(labels)).numpy() / temperature
+                finally:
+                    kernels.enabled = before
+            return run
+
+        paths.pop(f"eager {rt.precision}")
+        paths = {"eager fp32": eager(rt_fp32), "eager bf16 (kernel)": eager(rt_bf16),
+                 "eager bf16, kernel off": eager(rt_bf16, kernel=False), **paths}
     for run in paths.values():  # warm-up: allocator, oneDNN primitives, onnxruntime's arenas
         run()
     times = {path: [] for path in paths}
