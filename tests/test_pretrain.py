@@ -15,13 +15,15 @@ from conftest import make_examples, read_scalars, tiny_config
 from safetensors.torch import load_file, save_file
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import ModelConfig
-from transformer_cli.data import CLS_ID, PAD_ID, encode_texts
+from transformer_cli.config import ModelConfig, PretrainConfig
+from transformer_cli.data import CLS_ID, PAD_ID, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.model import Electra, MaskedLM
 from transformer_cli.pretrain import (
     MASK_ID,
+    Corpus,
     MaskedLanguageModelling,
+    cut_windows,
     load_token_file,
     mask_tokens,
     prepare_corpus,
@@ -103,6 +105,76 @@ def test_the_output_layer_shares_the_token_embedding():
     h = torch.randn(3, 16)
     expected = model.lm_head.transform(h) @ model.encoder.tok_emb.weight.T + model.lm_head.bias
     torch.testing.assert_close(model.logits(h), expected)
+
+
+# --------------------------------------------------------------------------- windows of the texts
+
+
+def texts_of(lengths: list[int], seed: int = 0) -> Encoded:
+    """Texts of these lengths, each [CLS] then random word ids."""
+    rng = np.random.default_rng(seed)
+    parts = [np.concatenate([[CLS_ID], rng.integers(5, VOCAB, n - 1)]) for n in lengths]
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return Encoded(np.concatenate(parts).astype(np.int32), offsets, np.zeros(len(lengths), dtype=np.int64))
+
+
+def test_windows_tile_each_text_in_near_equal_parts_that_know_their_positions():
+    lengths = [1, 5, 16, 17, 40, 300]
+    texts = texts_of(lengths)
+    windows, starts, text = cut_windows(texts, 16)
+    assert list(np.bincount(text)) == [1, 1, 1, 2, 3, 19]  # the fewest windows of at most 16 tokens
+    for t, n in enumerate(lengths):
+        mine = np.flatnonzero(text == t)
+        sizes = windows.lengths[mine]
+        assert sizes.max() <= 16 and sizes.max() - sizes.min() <= 1 and sizes.sum() == n
+        assert list(starts[mine]) == [0, *np.cumsum(sizes)[:-1]]  # each window's place in its text
+        whole = texts.ids[texts.offsets[t] : texts.offsets[t + 1]]
+        assert np.array_equal(np.concatenate([windows.subset([i]).ids for i in mine]), whole)
+    same, starts0, text0 = cut_windows(texts, 0)  # 0: the texts whole
+    assert same is texts and not starts0.any() and list(text0) == list(range(len(lengths)))
+
+
+def test_a_windowed_batch_holds_each_windows_tokens_at_their_positions_in_its_text():
+    texts = texts_of([40, 9, 33], seed=1)
+    corpus = Corpus(None, texts, np.array([0, 1]), np.array([2]))
+    task = MaskedLanguageModelling(corpus, PretrainConfig(window=16, mask_prob=0.5), VOCAB, 64)
+    assert task.num_train == 3 + 1 and task.num_val == 3  # 40 tokens: 3 windows; 9: one; the held-out 33: 3
+    torch.manual_seed(0)
+    batch = task.batch(make_runtime("cpu", "fp32"), np.arange(task.num_train))
+    masked, mask, picked, targets, positions = batch.tensors
+    ids = masked.clone().view(-1)
+    ids[picked] = targets  # the windows as they were before masking
+    ids = ids.view(masked.shape)
+    for row, (start, n) in enumerate([(0, 13), (13, 13), (26, 14), (0, 9)]):
+        text = 0 if row < 3 else 1
+        expected = texts.ids[texts.offsets[text] + start : texts.offsets[text] + start + n]
+        assert np.array_equal(ids[row, :n].numpy(), expected)
+        assert positions[row, :n].tolist() == list(range(start, start + n))
+        assert not positions[row, n:].any() and not mask[row, n:].any()
+    is_cls = ids.view(-1)[picked] == CLS_ID
+    assert not is_cls.any()  # [CLS] is never a target; a later window's first token may be
+    assert (picked % masked.size(1) == 0).any()
+
+
+def test_positions_place_a_windows_tokens_as_they_stand_in_the_text():
+    """The encoder of a window given its positions equals the encoder of the text's embeddings
+    there: token embedding plus the position embedding of its place in the text."""
+    torch.manual_seed(0)
+    model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, dropout=0.0), VOCAB, 64)
+    ids, mask = batch([10, 6], seed=4)
+    positions = torch.tensor([list(range(30, 40)), [50, 51, 52, 53, 54, 55, 0, 0, 0, 0]])
+    x = model.encoder.tok_emb(ids) + model.encoder.pos_emb.weight[positions]
+    torch.testing.assert_close(model.encoder(ids, mask, positions), model.encoder.contextualize(x, mask))
+    masked, picked, targets = mask_tokens(ids, mask, 0.5, VOCAB, torch.Generator().manual_seed(0))
+    moved, _ = model(masked, mask, picked, targets, positions)
+    unmoved, _ = model(masked, mask, picked, targets)
+    assert moved.item() != pytest.approx(unmoved.item(), rel=1e-6)  # the positions reach the loss
+    electra = Electra(ModelConfig(d_model=16, n_heads=2, n_layers=1, dropout=0.0), VOCAB, 64, 1, 50.0)
+    torch.manual_seed(1)  # the same samples both times
+    moved, _ = electra(masked, mask, picked, targets, positions)
+    torch.manual_seed(1)
+    unmoved, _ = electra(masked, mask, picked, targets)
+    assert moved.item() != pytest.approx(unmoved.item(), rel=1e-6)  # ELECTRA's too
 
 
 # --------------------------------------------------------------------------- text larger than memory
@@ -253,14 +325,14 @@ def test_pretraining_lowers_the_held_out_loss_far_below_guessing(tmp_path):
     assert metrics["val"]["loss"] < math.log(10) + 0.1 < math.log(vocab) - 1.0
 
 
-@pytest.mark.parametrize("objective", ["mlm", "electra"])
-def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch, objective):
+@pytest.mark.parametrize("objective, window", [("mlm", 0), ("electra", 0), ("mlm", 16)])
+def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch, objective, window):
     """SIGTERM while a batch is prepared: the step ends, a checkpoint is written, the run exits with
     143; --resume then ends with the weights of the run that was never stopped (Electra's samples
-    included: they come from the RNG state the checkpoint holds)."""
+    included: they come from the RNG state the checkpoint holds; windows included)."""
     def config(out: Path, **kw):
         return pretrain_config(synthetic_data_dir, out, train__max_steps=12, train__checkpoint_every=100,
-                               train__eval_every=4, pretrain__objective=objective, **kw)
+                               train__eval_every=4, pretrain__objective=objective, pretrain__window=window, **kw)
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     pretrain(config(full), progress=False)

@@ -284,6 +284,8 @@ class PretrainConfig(_Section):
     detection_weight: float = 50.0  # electra: weight of the detection loss beside the generator's masked-LM loss
     splits: list[str] = field(default_factory=lambda: ["unsupervised", "train"])  # the source's splits read as text
     val_texts: int = 1000  # texts held out to measure the objective on
+    window: int = 0  # > 0: each text is cut into near-equal windows of at most this many tokens, each a training
+    # example that keeps its positions in the text; 0: whole texts
     shard_texts: int = 8192  # texts tokenized at a time into the memory-mapped token file
 
     def validate(self) -> None:
@@ -299,6 +301,8 @@ class PretrainConfig(_Section):
             self._fail("detection_weight", "must be positive")
         if self.shard_texts < 1:
             self._fail("shard_texts", "must be at least 1")
+        if self.window != 0 and self.window < 2:
+            self._fail("window", "must be 0 (whole texts) or at least 2 tokens")
 
 
 def check_device_and_precision(device: str, precision: str | None) -> None:

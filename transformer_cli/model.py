@@ -391,11 +391,11 @@ class MaskedLM(nn.Module):
         """(..., C) states -> (..., V) token scores."""
         return self.lm_head(h, self.encoder.tok_emb.weight)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the loss, {"accuracy"}) of the predictions at `picked`, (N,) flat indices into the (B, T)
-        batch, whose original ids are `targets` (N,)."""
-        h = self.encoder(ids, mask)  # (B, T, C)
+        batch, whose original ids are `targets` (N,); `positions` (B, T) as Encoder.forward's."""
+        h = self.encoder(ids, mask, positions)  # (B, T, C)
         logits = self.logits(h.flatten(0, 1)[picked])  # (N, V)
         loss = F.cross_entropy(logits.float(), targets)
         return loss, {"accuracy": (logits.detach().argmax(-1) == targets).float().mean()}
@@ -429,18 +429,19 @@ class Electra(nn.Module):
         self.detector = nn.Linear(cfg.d_model, 1)
         init_weights(self, cfg.n_layers)
 
-    def generate(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """The generator's (N, V) token scores at `picked`."""
-        x = self.encoder.embed(ids)  # (B, T, C)
+        x = self.encoder.embed(ids, positions)  # (B, T, C)
         for block in self.generator:
             x = block(x, mask)
         return self.lm_head(self.generator_norm(x).flatten(0, 1)[picked], self.encoder.tok_emb.weight)  # (N, V)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
-                targets: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the objective, its parts: "accuracy" of the detection over the real tokens, and the
         generator's and the detector's own losses); the arguments as MaskedLM's."""
-        logits = self.generate(ids, mask, picked)  # (N, V)
+        logits = self.generate(ids, mask, picked, positions)  # (N, V)
         generator_loss = F.cross_entropy(logits.float(), targets)
         with torch.no_grad():
             sampled = torch.multinomial(logits.float().softmax(-1), 1).squeeze(1)  # (N,)
@@ -448,7 +449,7 @@ class Electra(nn.Module):
         corrupted.view(-1)[picked] = sampled
         replaced = torch.zeros_like(mask)  # (B, T): a sample equal to the original counts as original
         replaced.view(-1)[picked] = sampled != targets
-        scores = self.detector(self.encoder(corrupted, mask)).squeeze(-1)  # (B, T)
+        scores = self.detector(self.encoder(corrupted, mask, positions)).squeeze(-1)  # (B, T)
         scores, replaced = scores[mask], replaced[mask]  # (M,) each: the real tokens
         detection_loss = F.binary_cross_entropy_with_logits(scores.float(), replaced.float())
         stats = {"accuracy": ((scores.detach() > 0) == replaced).float().mean(),

@@ -27,6 +27,7 @@ import torch
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import Config, PretrainConfig
 from transformer_cli.data import (
+    CLS_ID,
     SPECIAL_TOKENS,
     Encoded,
     cache_key,
@@ -166,6 +167,22 @@ def load_token_file(folder: Path, n: int) -> Encoded | None:
     return Encoded(ids, offsets, np.zeros(n, dtype=np.int64))
 
 
+def cut_windows(texts: Encoded, window: int) -> tuple[Encoded, np.ndarray, np.ndarray]:
+    """The texts cut into training windows: each text into the fewest near-equal consecutive windows
+    of at most `window` tokens (0: each text whole). Consecutive windows tile the texts, so they index
+    the same memory-mapped ids. Returns (the windows, each one's first position in its text (N_w,),
+    the index of its text (N_w,))."""
+    n, lengths = len(texts), texts.lengths
+    if window == 0:
+        return texts, np.zeros(n, dtype=np.int64), np.arange(n)
+    counts = -(-lengths // window)  # (N,) windows per text; every text has its [CLS]
+    text = np.repeat(np.arange(n), counts)  # (N_w,)
+    k = np.arange(len(text)) - np.repeat(np.cumsum(counts) - counts, counts)  # (N_w,) the window's rank in its text
+    starts = k * lengths[text] // counts[text]  # (N_w,)
+    offsets = np.append(texts.offsets[:-1][text] + starts, texts.offsets[-1])  # (N_w + 1,)
+    return Encoded(texts.ids, offsets, np.zeros(len(text), dtype=np.int64)), starts, text
+
+
 # --------------------------------------------------------------------------- the objective
 
 
@@ -176,8 +193,7 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
 
     Returns (the masked ids (B, T), picked (N,) flat indices into (B, T), their original ids (N,)).
     """
-    candidates = mask.clone()
-    candidates[:, 0] = False  # [CLS]
+    candidates = mask & (ids != CLS_ID)  # [CLS] leads each text, so the first window of a text only
     if not candidates.any():
         candidates = mask  # texts of [CLS] alone: predict that
     chosen = (torch.rand(ids.shape, generator=generator) < p) & candidates
@@ -196,27 +212,42 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
 class MaskedLanguageModelling:
     """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM)
     or to detect the generator's replacements of them (Electra). Validated on the held-out texts with
-    the same masks and samples every time, so that its figures compare across steps."""
+    the same masks and samples every time, so that its figures compare across steps.
+
+    With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
+    mostly on 128-token sequences: attention costs less per token, and each window keeps its
+    positions in its text, so the whole position table trains. The held-out texts are cut alike."""
 
     prefix = "pretrain"
 
     def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, eval_batch_size: int,
                  select_metric: str = "loss"):
-        self.texts, self.train_idx = corpus.texts, corpus.train_idx
+        windows, self.starts, text = cut_windows(corpus.texts, pc.window)
+        held_out = np.zeros(len(corpus.texts), dtype=bool)
+        held_out[corpus.val_idx] = True
+        self.texts, self.train_idx = windows, np.flatnonzero(~held_out[text])  # (N_train,) windows
+        val_idx = np.flatnonzero(held_out[text])
+        self.val, self.val_starts = windows.subset(val_idx), self.starts[val_idx]
+        self.windowed = pc.window > 0
         self.select_metric = select_metric
-        self.val = corpus.texts.subset(corpus.val_idx)
         self.mask_prob, self.vocab_size, self.eval_batch_size = pc.mask_prob, vocab_size, eval_batch_size
-        self.lengths = corpus.texts.lengths[corpus.train_idx]
-        self.num_train, self.num_val = len(corpus.train_idx), len(corpus.val_idx)
+        self.lengths = windows.lengths[self.train_idx]
+        self.num_train, self.num_val = len(self.train_idx), len(val_idx)
 
-    def _masked(self, enc: Encoded, idx: np.ndarray, generator=None):
+    def _masked(self, enc: Encoded, idx: np.ndarray, starts: np.ndarray, generator=None):
+        """(the model's tensors: masked ids, mask, picked, targets and, for windows, each token's
+        position in its text (B, T)), the real tokens."""
         ids, mask, _ = collate(enc, idx)
         ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         masked, picked, targets = mask_tokens(ids, mask, self.mask_prob, self.vocab_size, generator)
-        return (masked, mask, picked, targets), int(mask.sum())
+        tensors = (masked, mask, picked, targets)
+        if self.windowed:
+            positions = starts[idx][:, None] + np.arange(ids.shape[1])  # (B, T); padding's set to 0 below
+            tensors += (torch.from_numpy(np.where(mask.numpy(), positions, 0)),)
+        return tensors, int(mask.sum())
 
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
-        tensors, tokens = self._masked(self.texts, self.train_idx[idx])
+        tensors, tokens = self._masked(self.texts, self.train_idx[idx], self.starts)
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -237,7 +268,7 @@ class MaskedLanguageModelling:
             torch.manual_seed(0)
             try:
                 for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
-                    tensors, _ = self._masked(self.val, idx, generator)
+                    tensors, _ = self._masked(self.val, idx, self.val_starts, generator)
                     with rt.autocast():
                         loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
                     n = len(tensors[3])  # weighted by the masked tokens

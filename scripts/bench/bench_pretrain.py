@@ -109,10 +109,10 @@ def main(argv=None) -> int:
                                       foreach=True)
 
         def straightforward_step(batch) -> None:
-            masked, mask, picked, targets = batch.tensors
+            masked, mask, picked, targets, *positions = batch.tensors  # positions with pretrain.window
             labels = torch.full((masked.numel(),), -100, dtype=torch.long)
             labels[picked] = targets
-            logits = straight.logits(straight.encoder(masked, mask))  # (B, T, V): every position
+            logits = straight.logits(straight.encoder(masked, mask, *positions))  # (B, T, V): every position
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels, ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
