@@ -108,25 +108,24 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     export_sec = bc.now() - t0
     clf = OnnxClassifier(exported["onnx"], threads=ev.cpu_workers()[1])
     temperature = saved_temperature(model_dir)  # the graph's logits are divided by it, as evaluate's are
-    paths = {f"eager {rt.precision}": lambda: ev.batched_logits(model, enc, batches, rt, len(labels)).numpy()
-             / temperature,
-             "onnxruntime fp32": lambda: onnx_logits(clf, enc, batches)}
+
+    def eager(run_rt, kernel: bool = kernels.enabled):
+        """evaluate's logits in `run_rt`'s precision, with the bf16 attention kernel on or off."""
+        def run():
+            before, kernels.enabled = kernels.enabled, kernel
+            try:
+                return ev.batched_logits(model, enc, batches, run_rt, len(labels)).numpy() / temperature
+            finally:
+                kernels.enabled = before
+        return run
+
+    paths = {f"eager {rt.precision}": eager(rt)}
     if with_bf16:  # every eager path: fp32, bf16 with the kernel, bf16 with torch's attention
         rt_fp32, rt_bf16 = ev.make_runtime("cpu", "fp32"), ev.make_runtime("cpu", "fp32")
         rt_bf16.amp_dtype = resolve_precision("bf16", rt_bf16.device)
-
-        def eager(run_rt, kernel: bool = True):
-            def run():
-                before, kernels.enabled = kernels.enabled, kernel
-                try:
-                    return ev.batched_logits(model, enc, batches, run_rt, len(labels)).numpy() / temperature
-                finally:
-                    kernels.enabled = before
-            return run
-
-        paths.pop(f"eager {rt.precision}")
         paths = {"eager fp32": eager(rt_fp32), "eager bf16 (kernel)": eager(rt_bf16),
-                 "eager bf16, kernel off": eager(rt_bf16, kernel=False), **paths}
+                 "eager bf16, kernel off": eager(rt_bf16, kernel=False)}
+    paths["onnxruntime fp32"] = lambda: onnx_logits(clf, enc, batches)
     for run in paths.values():  # warm-up: allocator, oneDNN primitives, onnxruntime's arenas
         run()
     times = {path: [] for path in paths}
