@@ -299,7 +299,7 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_pretrain.py"), "--mode", "synthetic",
            "--config", str(REPO / "configs" / "tiny.toml"), "--steps", "2", "--warmup", "1", "--threads", "1",
-           "--json", str(out), "train.precision=\"fp32\""]
+           "--json", str(out)]  # precision auto: bf16 where the CPU has it natively, else fp32
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -310,6 +310,12 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
         assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
     for r in rows.values():  # each row's share of the peak measured in the same run
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
+    if result["precision"] == "fp32":
+        assert "amp_peak" not in result and all("pct_amp_peak" not in r for r in rows.values())
+    else:  # and of the peak of matmuls in the precision autocast runs them in
+        assert result["amp_peak"]["dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[result["precision"]]
+        for r in rows.values():
+            assert r["pct_amp_peak"] == pytest.approx(100 * r["gflops"] / result["amp_peak"]["gflops"])
     # the straightforward step scores every position, so it does more FLOPs than tfm's for the same tokens
     assert rows["straight"]["gflops"] * rows["tfm"]["tokens_per_sec"] > rows["tfm"]["gflops"] * rows["straight"]["tokens_per_sec"]
 

@@ -80,47 +80,63 @@ def set_threads(n: int | None) -> None:
 # --------------------------------------------------------------------------- compute
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so that a clock read after it
+    counts that work; nothing to wait for on a CPU."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def dtype_name(dtype) -> str:
     """torch.float32 -> "fp32", torch.bfloat16 -> "bf16", as tfm names precisions."""
     return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
 
 
 class MatmulPeak:
-    """GFLOP/s of a square torch.mm (fp32, or `dtype`) with this process's threads: the ceiling a
-    run's figures are compared with. Call `sample()` between the measured steps (interleaved, so
-    that it sees the same contention from other jobs as they do); `gflops` is the median. n doubles
-    from 256 up to `max_n`, but not to a size whose product would take over a second."""
+    """GFLOP/s of a square torch.mm (fp32, or `dtype`) with this process's threads, or on `device`:
+    the ceiling a run's figures are compared with. Call `sample()` between the measured steps
+    (interleaved, so that it sees the same contention from other jobs as they do); `gflops` is the
+    median. n doubles from 256 up to `max_n`, but not to a size whose product would take over a
+    second."""
 
-    def __init__(self, max_n: int = 2048, dtype=None):
+    def __init__(self, max_n: int = 2048, dtype=None, device: str = "cpu"):
         import torch
 
-        self.dtype = dtype or torch.float32
+        self.dtype, self.device = dtype or torch.float32, torch.device(device)
         n = 256
         while True:
-            self.a, self.b = (torch.randn(n, n).to(self.dtype) for _ in range(2))
-            self.out = torch.empty(n, n, dtype=self.dtype)
+            self.a, self.b = (torch.randn(n, n, device=self.device).to(self.dtype) for _ in range(2))
+            self.out = torch.empty(n, n, dtype=self.dtype, device=self.device)
             torch.mm(self.a, self.b, out=self.out)  # warm-up: primitive creation, page faults
-            t0 = now()
+            t0 = self._now()
             torch.mm(self.a, self.b, out=self.out)
-            if n >= max_n or 8 * (now() - t0) > 1.0:
+            if n >= max_n or 8 * (self._now() - t0) > 1.0:
                 break
             n *= 2
         self.n, self.times = n, []
+
+    def _now(self) -> float:
+        synchronize(self.device)
+        return now()
 
     def sample(self, repeats: int = 1) -> None:
         import torch
 
         for _ in range(repeats):
-            t0 = now()
+            t0 = self._now()
             torch.mm(self.a, self.b, out=self.out)
-            self.times.append(now() - t0)
+            self.times.append(self._now() - t0)
 
     @property
     def gflops(self) -> float:
         return 2 * self.n**3 / statistics.median(self.times) / 1e9
 
     def describe(self) -> str:
-        return f"{dtype_name(self.dtype)} torch.mm {self.n}x{self.n}x{self.n}: {self.gflops:.1f} GFLOP/s (median of {len(self.times)})"
+        where = "" if self.device.type == "cpu" else f" on {self.device}"
+        return (f"{dtype_name(self.dtype)} torch.mm {self.n}x{self.n}x{self.n}{where}: {self.gflops:.1f} GFLOP/s "
+                f"(median of {len(self.times)})")
 
     def as_dict(self) -> dict:
         return {"dtype": str(self.dtype), "n": self.n, "gflops": self.gflops, "samples": len(self.times),

@@ -10,6 +10,7 @@ What it measures
       straight   written here, as a masked-LM step is usually written (e.g. BertForMaskedLM): the
                  same modules score every position over the whole vocabulary, cross-entropy with
                  ignore_index=-100 on the unmasked ones, torch.optim.AdamW (foreach), clipping; fp32
+                 on a CPU, and under the run's autocast on a GPU (as GPU training is written)
       electra    tfm's step with pretrain.objective = "electra" (replaced-token detection: a generator
                  of pretrain.generator_layers blocks, then the encoder scores every real token), so
                  that the two objectives compare per CPU-second
@@ -17,18 +18,22 @@ What it measures
     tokens/s counts real tokens (padding excluded). GFLOP/s is each variant's own matmul FLOPs
     (3 x forward: the encoder's linear layers and attention, the head's transform and vocabulary
     projection over the positions it scores) over its time; % peak divides that by the fp32
-    torch.mm rate sampled between the steps of the same run.
+    torch.mm rate sampled between the steps of the same run, and, where the run computes in bf16 or
+    fp16, % amp peak by the rate of torch.mm in that precision (the ceiling of its matmuls).
+    With --device cuda every time is taken after the GPU has finished the step's work.
 
 Data
     imdb       batches of `tfm pretrain`'s corpus (--data, --config), drawn as its sampler draws them
     synthetic  random ids with lengths spread over up to max_length (no dataset needed)
 
     python scripts/bench/bench_pretrain.py --config configs/pretrain.toml --data ../shared/data/imdb
+    python scripts/bench/bench_pretrain.py --config configs/pretrain-gpu.toml --data ../shared/data/imdb --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -54,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before timing")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="where the steps run: cpu (default), cuda or cuda:N")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("overrides", nargs="*", help="config overrides SECTION.FIELD=VALUE, e.g. model.n_layers=2")
     return p.parse_args(argv)
@@ -87,7 +93,8 @@ def main(argv=None) -> int:
     bc.print_header("bench_pretrain: tfm pretrain's step against a straightforward masked-LM step", info)
     values = {"data.source": args.data, **parse_overrides(args.overrides)}
     cfg = load_config(args.config, values)
-    rt = make_runtime("cpu", cfg.train.precision)
+    rt = make_runtime(args.device, cfg.train.precision)
+    on_gpu = rt.device.type == "cuda"
     n_batches = args.warmup + args.steps
     corpus = prepare_corpus(cfg) if args.mode == "imdb" else synthetic_corpus(cfg, cfg.train.batch_size * n_batches + 1)
     vocab = corpus.tokenizer.get_vocab_size() if corpus.tokenizer is not None else cfg.data.vocab_size
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
 
     torch.manual_seed(cfg.train.seed)
     model = MaskedLM(cfg.model, vocab, cfg.data.max_length)
-    straight = MaskedLM(cfg.model, vocab, cfg.data.max_length)
+    straight = MaskedLM(cfg.model, vocab, cfg.data.max_length).to(rt.device)
     straight.load_state_dict(model.state_dict())
     electra_cfg = cfg.replace(pretrain={"objective": "electra"})
     electra = pretraining_model(electra_cfg, vocab)
@@ -110,9 +117,10 @@ def main(argv=None) -> int:
 
         def straightforward_step(batch) -> None:
             masked, mask, picked, targets, *positions = batch.tensors  # positions with pretrain.window
-            labels = torch.full((masked.numel(),), -100, dtype=torch.long)
+            labels = torch.full((masked.numel(),), -100, dtype=torch.long, device=masked.device)
             labels[picked] = targets
-            logits = straight.logits(straight.encoder(masked, mask, *positions))  # (B, T, V): every position
+            with rt.autocast() if on_gpu else contextlib.nullcontext():
+                logits = straight.logits(straight.encoder(masked, mask, *positions))  # (B, T, V): every position
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), labels, ignore_index=-100)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -123,14 +131,20 @@ def main(argv=None) -> int:
         variants = {"tfm": lambda b: train_step(run, [b]), "straight": straightforward_step,
                     "electra": lambda b: train_step(electra_run, [b])}
         times = {name: [] for name in variants}
-        peak = bc.MatmulPeak()
+        max_n = 8192 if on_gpu else 2048  # a GPU reaches its peak only on large products
+        peaks = {"fp32": bc.MatmulPeak(max_n, device=rt.device)}
+        if rt.amp_dtype is not None:  # the ceiling of the matmuls autocast runs
+            peaks[rt.precision] = bc.MatmulPeak(max_n, dtype=rt.amp_dtype, device=rt.device)
         for i, batch in enumerate(batches):
             for name, step in variants.items():
+                bc.synchronize(rt.device)
                 t0 = bc.now()
                 step(batch)
+                bc.synchronize(rt.device)
                 if i >= args.warmup:
                     times[name].append(bc.now() - t0)
-            peak.sample()
+            for peak in peaks.values():
+                peak.sample()
 
     timed = batches[args.warmup:]
     tokens = sum(b.tokens for b in timed)
@@ -144,21 +158,33 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         seconds = sum(ts)
         gflops = flops[name] / seconds / 1e9
-        rows.append({"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens / seconds,
-                     "gflops": gflops, "pct_peak": 100 * gflops / peak.gflops})
+        row = {"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens / seconds,
+               "gflops": gflops, "pct_peak": 100 * gflops / peaks["fp32"].gflops}
+        if rt.amp_dtype is not None:
+            row["pct_amp_peak"] = 100 * gflops / peaks[rt.precision].gflops
+        rows.append(row)
     speedup = rows[0]["tokens_per_sec"] / rows[1]["tokens_per_sec"]
     for row in rows:
         row["vs_straight"] = row["tokens_per_sec"] / rows[1]["tokens_per_sec"]
     m = cfg.model
     print(f"model    d{m.d_model}, {m.n_heads} heads, {m.n_layers} layers, ff {m.ff_mult}x; vocab {vocab}; "
           f"batch {cfg.train.batch_size}, max_length {cfg.data.max_length}, mask_prob {cfg.pretrain.mask_prob}; "
-          f"{args.mode} batches, {args.steps} timed steps after {args.warmup}; {rt.precision}")
-    print(f"peak     {peak.describe()}\n")
-    bc.print_table(rows, [("variant", "variant"), ("ms_step", "ms/step"), ("tokens_per_sec", "tokens/s"),
-                          ("vs_straight", "vs straight"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")],
-                   {"ms_step": 0, "tokens_per_sec": 0, "vs_straight": 2, "gflops": 1, "pct_peak": 1})
+          f"{args.mode} batches, {args.steps} timed steps after {args.warmup}; {rt.precision} on {rt.device}")
+    for peak in peaks.values():
+        print(f"peak     {peak.describe()}")
+    print()
+    columns = [("variant", "variant"), ("ms_step", "ms/step"), ("tokens_per_sec", "tokens/s"),
+               ("vs_straight", "vs straight"), ("gflops", "GFLOP/s"), ("pct_peak", "% peak")]
+    if rt.amp_dtype is not None:
+        columns.append(("pct_amp_peak", f"% {rt.precision} peak"))
+    bc.print_table(rows, columns, {"ms_step": 0, "tokens_per_sec": 0, "vs_straight": 2, "gflops": 1, "pct_peak": 1,
+                                   "pct_amp_peak": 1})
     result = bc.check("tfm pretrain's tokens/s over the straightforward step's", speedup, 2.0, "x")
-    bc.write_json(args.json, {"hardware": info, "config": cfg.to_dict(), "mode": args.mode, "peak": peak.as_dict(),
+    if on_gpu:
+        info["gpu"] = torch.cuda.get_device_name(rt.device)
+    amp_peak = {"amp_peak": peaks[rt.precision].as_dict()} if rt.amp_dtype is not None else {}
+    bc.write_json(args.json, {"hardware": info, "config": cfg.to_dict(), "mode": args.mode, "device": str(rt.device),
+                              "precision": rt.precision, "peak": peaks["fp32"].as_dict(), **amp_peak,
                               "rows": rows, "target": result})
     return 0
 
