@@ -344,3 +344,30 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
     assert len(labels) == 60 and {row["label"] for row in labels} <= {"neg", "pos"}
     assert student["data"]["pseudo_labels"] == str(runs / "pseudo-s1.jsonl")
     assert student["data"]["pseudo_min_score"] == 0.9
+
+
+def test_reproduce_runs_the_gpu_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path):
+    """--pair gpu: configs/pretrain-gpu.toml pretrains, configs/finetune-gpu.toml fine-tunes both the
+    encoder and its random-init ablation (shrunk here by overrides, which come after the recipes)."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
+           "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", "gpu", "--",
+           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+           "train.batch_size=16"]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
+    tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
+    assert pretrain["pretrain"]["window"] == 128  # pretrain-gpu.toml's
+    assert tuned["train"]["lr"] == scratch["train"]["lr"] == 1e-4  # finetune-gpu.toml's
+    assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
+    for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("data", "vocab_size")]:
+        assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
+    assert "configs/pretrain-gpu.toml" in (runs / "pretrain" / "command.txt").read_text()
+
+
+def test_reproduce_refuses_the_gpu_pair_for_self_training(tmp_path):
+    done = run([sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--out", str(tmp_path),
+                "--recipes", "self-trained", "--pair", "gpu"])
+    assert done.returncode == 2 and "no GPU recipe" in done.stderr
+    assert not tmp_path.joinpath("pretrain").exists()
