@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--save", action="store_true", help="store the calibration in MODEL_DIR/config.json")
     args = ap.parse_args()
 
-    rt, model, cfg, tokenizer, labels = load_for_inference(args.model_dir, args.device, None)
+    rt, model, cfg, tokenizer, labels, _ = load_for_inference(args.model_dir, args.device, None)
     t0 = time.perf_counter()
 
     def logits_of(split: str):

@@ -31,7 +31,7 @@ def main() -> None:
     from transformer_cli.explain import faithfulness, integrated_gradients, review_ids
 
     t0 = time.perf_counter()
-    model, cfg, tokenizer, _ = load_model_dir(args.checkpoint)
+    model, cfg, tokenizer, _, _ = load_model_dir(args.checkpoint)
     if args.data:
         cfg = cfg.replace(data={"source": args.data})
     test = load_splits(cfg.data, ("test",))[0]["test"]

@@ -76,7 +76,7 @@ def load_texts(args) -> list[str]:
     from transformer_cli.data import load_splits
     from transformer_cli.evaluate import load_model_dir
 
-    _, cfg, _, _ = load_model_dir(args.checkpoint)
+    cfg = load_model_dir(args.checkpoint).cfg
     raw, _ = load_splits(cfg.replace(data={"source": args.data}).data, (args.split,))
     texts = raw[args.split].texts
     rng = random.Random(args.seed)
@@ -91,7 +91,7 @@ def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
     from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.evaluate import evaluate_model
 
-    rt, model, cfg, tokenizer, labels = loaded
+    rt, model, cfg, tokenizer, labels, _ = loaded
     d = cfg.data
     t0, c0 = time.perf_counter(), time.process_time()
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)

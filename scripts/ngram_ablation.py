@@ -39,7 +39,7 @@ def main() -> None:
 
     rt = make_runtime("cpu", "fp32")
     try:
-        model, cfg, tokenizer, labels = load_model_dir(args.run, rt.device)
+        model, cfg, tokenizer, labels, _ = load_model_dir(args.run, rt.device)
         if model.ngrams is None:
             raise SystemExit(f"error: '{args.run}' was trained without an n-gram path (model.ngram_buckets = 0)")
         if args.data:

@@ -99,7 +99,7 @@ def test_train_calibrate_is_a_validated_setting():
 
 def model_logits(model_dir, texts: list[str]) -> torch.Tensor:
     """The saved model's raw logits of each text alone: the reference for predict's probabilities."""
-    model, cfg, tokenizer, _ = load_model_dir(model_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(model_dir)
     d = cfg.data
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
     rows = []

@@ -71,7 +71,7 @@ def edit_config(model_dir: Path, **changes) -> None:
 
 
 def test_load_model_dir(model_dir):
-    model, cfg, tokenizer, labels = load_model_dir(model_dir)
+    model, cfg, tokenizer, labels, _ = load_model_dir(model_dir)
     assert not model.training
     assert labels == ["neg", "pos"]
     assert model.encoder.tok_emb.num_embeddings == tokenizer.get_vocab_size()
@@ -83,7 +83,7 @@ def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
     assert meta["model"].pop("ngram_buckets") == 0 and meta["model"].pop("ngram_lr_scale")  # tiny.toml: off
     del meta["model"]["ngram_order"], meta["model"]["ngram_binary"], meta["model"]["ngram_own_loss"]
     (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
-    model, cfg, _, _ = load_model_dir(model_dir)
+    model, cfg, _, _, _ = load_model_dir(model_dir)
     assert cfg.model.ngram_buckets == 0 and model.ngrams is None
 
 

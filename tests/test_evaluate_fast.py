@@ -230,7 +230,7 @@ def test_predict_proba_equals_one_review_at_a_time_in_input_order(trained_dir, t
     from transformer_cli.evaluate import load_model_dir
 
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 300)  # many batches of different sizes
-    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     d = cfg.data
     texts = [r["text"] for r in test_rows[:70]]
     probs = ev.predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, CPU, batch_size=9)
@@ -245,7 +245,7 @@ def test_evaluate_checkpoint_equals_the_reference(trained_dir, test_rows):
     from transformer_cli.data import encode_texts
     from transformer_cli.evaluate import load_model_dir
 
-    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     d = cfg.data
     ids, offsets = encode_texts(tokenizer, [r["text"] for r in test_rows], d.max_length, d.truncation, d.head_fraction)
     temperature = saved_temperature(trained_dir)  # evaluate reports the calibrated probabilities

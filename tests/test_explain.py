@@ -34,7 +34,7 @@ def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(train
     r = tfm("predict", "-c", trained_dir, "--json", "--explain", POSITIVE_TEXT, NEGATIVE_TEXT)
     assert r.exit_code == 0, r.stderr
     plain = json_lines(tfm("predict", "-c", trained_dir, "--json", POSITIVE_TEXT, NEGATIVE_TEXT).stdout)
-    model, cfg, tokenizer, labels = load_model_dir(trained_dir)
+    model, cfg, tokenizer, labels, _ = load_model_dir(trained_dir)
     temperature = saved_temperature(trained_dir)
     for text, out, before in zip([POSITIVE_TEXT, NEGATIVE_TEXT], json_lines(r.stdout), plain):
         assert {k: out[k] for k in before} == before  # predict's own fields unchanged
@@ -50,7 +50,7 @@ def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(train
 
 def test_attributions_add_up_to_the_change_of_probability_with_enough_steps(trained_dir):
     """Completeness, --ig-steps through the CLI: the integral converges to p(review) - p(baseline)."""
-    model, cfg, tokenizer, labels = load_model_dir(trained_dir)
+    model, cfg, tokenizer, labels, _ = load_model_dir(trained_dir)
     temperature = saved_temperature(trained_dir)
     r = tfm("predict", "-c", trained_dir, "--json", "--explain", "--ig-steps", "256", POSITIVE_TEXT, NEGATIVE_TEXT)
     assert r.exit_code == 0, r.stderr
@@ -66,7 +66,7 @@ def test_attributions_converge_with_more_steps(trained_dir):
     """Gauss-Legendre nodes converge fast on a smooth path: a freshly initialised mean-pooling model's
     error (against 1,024 nodes) falls several-fold with each doubling, to float noise by 8 nodes. (Max
     pooling's path has kinks where a maximum moves to another token.)"""
-    model, cfg, tokenizer, labels = load_model_dir(trained_dir)
+    model, cfg, tokenizer, labels, _ = load_model_dir(trained_dir)
     torch.manual_seed(0)
     smooth = dataclasses.replace(cfg.model, pooling="mean")
     fresh = CTransformer(smooth, tokenizer.get_vocab_size(), model.encoder.max_length, len(labels)).eval()
@@ -81,7 +81,7 @@ def test_attributions_converge_with_more_steps(trained_dir):
 def test_a_sharp_path_needs_many_nodes_but_converges(trained_dir):
     """The tiny trained model is trained hard on a few signal words, so its path is sharp: few nodes can be
     far off (how far depends on the run), but 256 nodes agree with 1,024."""
-    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     ids = review_ids(tokenizer, [NEGATIVE_TEXT], cfg.data)[0]
     fine, fine_delta = integrated_gradients(model, ids, 0, steps=1024)
     assert abs(fine_delta) < 1e-3 * abs(baseline_gap(model, ids, 0))
@@ -92,7 +92,7 @@ def test_a_sharp_path_needs_many_nodes_but_converges(trained_dir):
 def test_nodes_in_several_passes_equal_one_pass(trained_dir, monkeypatch):
     from transformer_cli import explain
 
-    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     ids = review_ids(tokenizer, [NEGATIVE_TEXT], cfg.data)[0]
     steps = 3 * explain.IG_BATCH + 1  # four passes, the last of one node
     chunked, delta = integrated_gradients(model, ids, 0, steps=steps)
@@ -103,7 +103,7 @@ def test_nodes_in_several_passes_equal_one_pass(trained_dir, monkeypatch):
 
 
 def test_hiding_the_most_attributed_tokens_lowers_the_probability_more_than_random_ones(trained_dir, test_rows):
-    model, cfg, tokenizer, _ = load_model_dir(trained_dir)
+    model, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     texts = [row["text"] for row in test_rows[:40]]
     reviews = []
     for ids in review_ids(tokenizer, texts, cfg.data):

@@ -57,7 +57,7 @@ def export(model_dir, out) -> OnnxClassifier:
 
 def assert_matches_predict(model_dir, onnx_path, texts) -> None:
     clf = export(model_dir, onnx_path)
-    _, cfg, tokenizer, labels = load_model_dir(model_dir)
+    _, cfg, tokenizer, labels, _ = load_model_dir(model_dir)
     assert clf.labels == labels and clf.max_length == cfg.data.max_length
     assert clf.tokenizer.to_str() == tokenizer.to_str()
     expected = predicted(model_dir, texts)
@@ -80,7 +80,7 @@ def test_export_of_the_trained_model_gives_predicts_probabilities(trained_dir, t
 def random_model_dir(trained_dir, where, recipe: str | None, **model) -> object:
     """A randomly initialised model of a recipe's sizes (and `model` overrides) with the trained model's
     tokenizer (so its vocabulary, not the recipe's), saved as `tfm train` saves one."""
-    _, _, tokenizer, labels = load_model_dir(trained_dir)
+    _, _, tokenizer, labels, _ = load_model_dir(trained_dir)
     values = {f"model.{k}": v for k, v in model.items()}
     cfg = load_config(CONFIGS / recipe if recipe else None, values)
     torch.manual_seed(0)

@@ -178,7 +178,7 @@ def test_a_three_class_model_keeps_and_predicts_the_names(three_class_run):
 
     out = three_class_run
     assert json.loads((out / "config.json").read_text())["labels"] == THREE_CLASSES
-    model, _, _, labels = load_model_dir(out)
+    model, _, _, labels, _ = load_model_dir(out)
     assert labels == THREE_CLASSES and model.head.out_features == 3
     texts = ["great wonderful superb film, loved it", "the movie was okay, average and decent",
              "awful boring terrible film, hated it"]

@@ -181,7 +181,7 @@ def test_teachers_must_share_their_classes(trained_dir, tmp_path, monkeypatch):
     from transformer_cli import pseudo
 
     real = pseudo.load_for_inference
-    loaded = iter([real(trained_dir, "cpu", None), (*real(trained_dir, "cpu", None)[:4], ["bad", "good"])])
+    loaded = iter([real(trained_dir, "cpu", None), real(trained_dir, "cpu", None)._replace(labels=["bad", "good"])])
     monkeypatch.setattr(pseudo, "load_for_inference", lambda *a: next(loaded))
     with pytest.raises(TfmError, match="teachers must share their classes"):
         pseudo.pseudo_label([trained_dir, tmp_path / "other"], tmp_path / "p.jsonl")

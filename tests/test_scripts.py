@@ -55,7 +55,7 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     result = json.loads(done.stdout)
     assert result["model"] == metrics["val"]["accuracy"]  # the same split and model as training validated
     # Each path scored against the reference: its logits, one review at a time.
-    model, cfg, _, _ = load_model_dir(tmp_path / "run", torch.device("cpu"))
+    model, cfg, _, _, _ = load_model_dir(tmp_path / "run", torch.device("cpu"))
     val = prepare_train_data(cfg.data, cfg.train.seed).val
 
     def accuracy(logits) -> float:

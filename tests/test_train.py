@@ -376,7 +376,7 @@ def test_ngram_run_trains_the_table_at_its_scaled_lr_and_reloads(synthetic_data_
     assert [g["lr"] for g in tensors["optimizer"]["param_groups"]] == [lr, lr, 4.0 * lr]
     saved = load_file(tmp_path / "run" / ckpt.MODEL_FILE)
     assert saved["ngrams.table.weight"].abs().sum() > 0  # it learned, and was saved with the rest
-    model, cfg, tokenizer, _ = load_model_dir(tmp_path / "run")
+    model, cfg, tokenizer, _, _ = load_model_dir(tmp_path / "run")
     assert model.ngrams.table.weight.equal(saved["ngrams.table.weight"])
     texts = ["a great superb film", "an awful boring film"]
     ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
@@ -558,5 +558,5 @@ def test_a_compiled_run_trains_as_the_eager_one_and_saves_the_raw_modules_weight
         torch.testing.assert_close(tensor, eager[name], rtol=1e-4, atol=1e-4, msg=name)
     saved = load_file(tmp_path / "compiled" / ckpt.MODEL_FILE)
     assert saved.keys() == eager.keys()
-    model, _, _, _ = load_model_dir(tmp_path / "compiled")
+    model = load_model_dir(tmp_path / "compiled").model
     assert all(p.equal(saved[n]) for n, p in model.state_dict().items())

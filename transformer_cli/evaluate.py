@@ -19,12 +19,13 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.calibration import expected_calibration_error, saved_temperature, softmax
+from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
 from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
@@ -225,8 +226,30 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     return softmax(logits, temperature)
 
 
-def load_model_dir(path: str | Path, device="cpu"):
-    """(model in eval mode, Config, tokenizer, labels) from a `tfm train` output directory."""
+class ModelDir(NamedTuple):
+    """A `tfm train` output directory, loaded."""
+
+    model: CTransformer  # in eval mode
+    cfg: Config
+    tokenizer: Any  # tokenizers.Tokenizer
+    labels: list[str]
+    temperature: float  # the calibration (config.json): predictions divide the logits by it; 1.0 if none
+
+
+class Loaded(NamedTuple):
+    """load_for_inference's result: a ModelDir's fields with the runtime that runs it."""
+
+    rt: Runtime
+    model: CTransformer
+    cfg: Config
+    tokenizer: Any
+    labels: list[str]
+    temperature: float
+
+
+def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
+    """The model (in eval mode), Config, tokenizer, labels and temperature of a `tfm train` output
+    directory, its config.json read once."""
     from tokenizers import Tokenizer
 
     out = Path(path)
@@ -248,6 +271,7 @@ def load_model_dir(path: str | Path, device="cpu"):
             raise ValueError(f"labels must be a list of at least two distinct names, not {labels!r}")
     except (KeyError, TypeError, ValueError, TfmError) as e:  # TfmError: a value the config refuses
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
+    temperature = temperature_of(meta, str(out / CONFIG_FILE))
     try:
         tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file)
@@ -262,19 +286,19 @@ def load_model_dir(path: str | Path, device="cpu"):
     if bad:
         raise TfmError(f"weights in '{out / MODEL_FILE}' are not finite (NaN or inf in {', '.join(bad[:3])}); "
                        "the file is damaged or the run diverged: train again")
-    return model.to(device).eval(), cfg, tokenizer, labels
+    return ModelDir(model.to(device).eval(), cfg, tokenizer, labels, temperature)
 
 
-def load_for_inference(model_dir: str | Path, device: str, precision: str | None):
-    """(runtime, model, config, tokenizer, labels) of a `tfm train` output directory. `precision` None:
-    fp32 for a run trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
+def load_for_inference(model_dir: str | Path, device: str, precision: str | None) -> Loaded:
+    """A `tfm train` output directory with the runtime to run it on. `precision` None: fp32 for a run
+    trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
     check_device_and_precision(device, precision)
     rt = make_runtime(device, "fp32")
-    model, cfg, tokenizer, labels = load_model_dir(model_dir, rt.device)
+    loaded = Loaded(rt, *load_model_dir(model_dir, rt.device))
     if precision is None:
-        precision = "fp32" if cfg.train.precision == "fp32" else "auto"
+        precision = "fp32" if loaded.cfg.train.precision == "fp32" else "auto"
     rt.amp_dtype = resolve_precision(precision, rt.device)
-    return rt, model, cfg, tokenizer, labels
+    return loaded
 
 
 def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto", batch_size: int = 64,
@@ -282,14 +306,12 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
     """[{"label", "score", "probabilities"}] for each text, from a `tfm train` output directory."""
     if not texts:
         raise TfmError("no input texts; pass TEXT arguments or --file PATH (one review per line)")
-    return predict_loaded(load_for_inference(model_dir, device, precision), texts, batch_size,
-                          saved_temperature(model_dir))
+    return predict_loaded(load_for_inference(model_dir, device, precision), texts, batch_size)
 
 
-def predict_loaded(loaded: tuple, texts: list[str], batch_size: int = 64, temperature: float = 1.0) -> list[dict]:
-    """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once), its
-    logits divided by `temperature` (calibration.saved_temperature of its folder)."""
-    rt, model, cfg, tokenizer, labels = loaded
+def predict_loaded(loaded: Loaded, texts: list[str], batch_size: int = 64) -> list[dict]:
+    """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once)."""
+    rt, model, cfg, tokenizer, labels, temperature = loaded
     d = cfg.data
     probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size,
                           temperature)
@@ -310,7 +332,7 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
     calibration temperature. Split "validation" is what the run validated on (data.train_val_splits,
     with its seed): the split its best model was chosen on. `report`: a folder for report.write_report's
     plots and report.html."""
-    rt, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, precision)
+    rt, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
     if data is not None:
         cfg = cfg.replace(data={"source": data})
@@ -320,7 +342,6 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
     t0 = time.perf_counter()
     enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed, labels)
     prep = time.perf_counter() - t0
-    temperature = saved_temperature(model_dir)
     metrics, logits = evaluate_scaled(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels,
                                       temperature)
     metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep, "compute_dtype": rt.precision,

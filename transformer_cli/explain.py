@@ -100,14 +100,12 @@ def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int = I
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
                   steps: int | None = None) -> list[Explained]:
     """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
-    from transformer_cli.calibration import saved_temperature
     from transformer_cli.evaluate import load_for_inference
 
-    _, model, cfg, tokenizer, labels = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
+    _, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
     if cfg.model.ngram_buckets:
         raise TfmError("explanations need the transformer alone; this model adds an n-gram path "
                        "(model.ngram_buckets > 0), whose scores do not go through the token embeddings")
-    temperature = saved_temperature(model_dir)  # the probabilities predict_texts gave
     return [explain_ids(model, tokenizer, ids, labels.index(p["label"]), steps or IG_STEPS, temperature)
             for ids, p in zip(review_ids(tokenizer, texts, cfg.data), predictions)]
 

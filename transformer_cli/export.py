@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from transformer_cli import __version__
-from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan, load_model_dir
@@ -52,8 +51,7 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     _require("tfm export", "onnx", "onnxscript", "onnxruntime")
     import onnx
 
-    model, cfg, tokenizer, labels = load_model_dir(model_dir)
-    temperature = saved_temperature(model_dir)
+    model, cfg, tokenizer, labels, temperature = load_model_dir(model_dir)
     model = Calibrated(model, temperature)
     proto = onnx.load_from_string(_trace(Calibrated(reference_model(model.model), temperature), cfg.data.max_length))
     tokenizer_file = output.with_name(output.stem + ".tokenizer.json")

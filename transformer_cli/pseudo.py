@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import open_text_source, sample_indices, text_chunks
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
@@ -72,20 +71,19 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
     if output.is_dir():
         raise UsageError(f"--output '{output}' is a directory; pass a .jsonl file to write")
     loaded = [load_for_inference(t, device, precision) for t in teachers]  # every teacher checked before the work
-    labels = loaded[0][4]
-    for t, (*_, other) in zip(teachers[1:], loaded[1:]):
+    labels = loaded[0].labels
+    for t, other in zip(teachers[1:], (m.labels for m in loaded[1:])):
         if other != labels:
             raise TfmError(f"teacher '{t}' has classes {', '.join(other)}, but '{teachers[0]}' has "
                            f"{', '.join(labels)}; teachers must share their classes")
-    column = loaded[0][2].data.text_column
-    table = split_table(data or loaded[0][2].data.source, split, column, max_samples)
-    temperatures = [saved_temperature(t) for t in teachers]
+    column = loaded[0].cfg.data.text_column
+    table = split_table(data or loaded[0].cfg.data.source, split, column, max_samples)
     t0 = time.perf_counter()
     scores, counts = [], np.zeros(len(labels), dtype=np.int64)
     with atomic_writer(output) as f:
         for texts in text_chunks([table], column, CHUNK_TEXTS):
             probs = np.zeros((len(texts), len(labels)))
-            for (rt, model, cfg, tokenizer, _), temperature in zip(loaded, temperatures):
+            for rt, model, cfg, tokenizer, _, temperature in loaded:
                 d = cfg.data
                 probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
                                        batch_size, temperature)

@@ -24,9 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transformer_cli import __version__
-from transformer_cli.calibration import saved_temperature
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import load_for_inference, predict_loaded
+from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded
 from transformer_cli.fileio import read_json
 
 USAGE = 'send {"texts": ["a review", ...]}'
@@ -100,9 +99,9 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def model_metadata(model_dir: str | Path, loaded: tuple, limits: Limits) -> dict:
+def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits) -> dict:
     """GET /metadata: labels, the model's sizes and the training run's metrics.json."""
-    rt, model, cfg, _, labels = loaded
+    rt, model, cfg, _, labels, temperature = loaded
     metrics_path = Path(model_dir) / "metrics.json"
     try:
         metrics = read_json(metrics_path, "metrics") if metrics_path.is_file() else None
@@ -117,7 +116,7 @@ def model_metadata(model_dir: str | Path, loaded: tuple, limits: Limits) -> dict
                  "head_fraction": cfg.data.head_fraction},
         "device": str(rt.device),
         "compute_dtype": rt.precision,
-        "temperature": saved_temperature(model_dir),  # the calibration that predictions divide the logits by
+        "temperature": temperature,  # the calibration that predictions divide the logits by
         "training_metrics": metrics,
         "limits": dataclasses.asdict(limits),
     }
@@ -210,7 +209,7 @@ class ApiError(Exception):
         self.status = status
 
 
-def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None):
+def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None):
     """The FastAPI app around a model from load_for_inference."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -221,8 +220,7 @@ def make_app(loaded: tuple, metadata: dict, limits: Limits, on_ready: Callable[[
         model_config = ConfigDict(extra="forbid", strict=True)
         texts: list[str]
 
-    temperature = metadata.get("temperature", 1.0)
-    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size, temperature), limits)
+    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -71,7 +71,7 @@ def model_from_dir(path: str | Path):
     """(model in eval mode on the CPU, tokenizer, DataConfig) of a `tfm train` output directory."""
     from transformer_cli.evaluate import load_model_dir
 
-    model, cfg, tokenizer, _ = load_model_dir(path, "cpu")
+    model, cfg, tokenizer, _, _ = load_model_dir(path, "cpu")
     return model, tokenizer, cfg.data
 
 

@@ -151,7 +151,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     from transformer_cli.fileio import cache_dir
 
     t0 = bc.now()
-    rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
+    rt, model, cfg, tokenizer, labels, _ = ev.load_for_inference(model_dir, "cpu", args.precision)  # as tfm evaluate
     load_sec = bc.now() - t0
     cfg = cfg.replace(data={"source": args.data})
     entries = set(cache_dir(cfg.data.cache_dir).glob("encoded-*.npz"))

@@ -65,7 +65,7 @@ def sample_texts(model_dir: Path, args) -> list[str]:
     from transformer_cli.data import load_splits
     from transformer_cli.evaluate import load_model_dir
 
-    _, cfg, _, _ = load_model_dir(model_dir)
+    cfg = load_model_dir(model_dir).cfg
     raw, _ = load_splits(cfg.replace(data={"source": args.data}).data, (args.split,))
     texts = raw[args.split].texts
     return random.Random(args.seed).sample(texts, min(args.texts, len(texts)))
@@ -92,12 +92,11 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
 
     from transformer_cli import evaluate as ev
     from transformer_cli import kernels
-    from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import Encoded, encode_texts
     from transformer_cli.export import OnnxClassifier, export_onnx
     from transformer_cli.runtime import resolve_precision
 
-    rt, model, cfg, tokenizer, labels = ev.load_for_inference(model_dir, "cpu", None)
+    rt, model, cfg, tokenizer, labels, temperature = ev.load_for_inference(model_dir, "cpu", None)
     texts = sample_texts(model_dir, args)
     d = cfg.data
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
@@ -107,7 +106,6 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     exported = export_onnx(model_dir, tmp / "model.onnx")
     export_sec = bc.now() - t0
     clf = OnnxClassifier(exported["onnx"], threads=ev.cpu_workers()[1])
-    temperature = saved_temperature(model_dir)  # the graph's logits are divided by it, as evaluate's are
 
     def eager(run_rt, kernel: bool = kernels.enabled):
         """evaluate's logits in `run_rt`'s precision, with the bf16 attention kernel on or off."""
