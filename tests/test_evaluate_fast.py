@@ -5,6 +5,7 @@ speed is measured by scripts/bench/bench_infer.py."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import numpy as np
@@ -201,6 +202,33 @@ def test_cpu_workers_restore_the_threads_when_a_batch_fails(monkeypatch, two_tor
     with pytest.raises(RuntimeError, match="boom"):
         ev.batched_logits(RecordingModel(random_model(), fail_at=3), enc, ev.batches_for(enc, 16, CPU), CPU, 2)
     assert torch.get_num_threads() == 2
+    model = random_model()  # the workers serve on after a failure
+    torch.testing.assert_close(ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2).double(),
+                               one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)
+
+
+def test_cpu_workers_are_kept_between_calls(monkeypatch, two_torch_threads):
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
+    model, enc = random_model(seed=5), random_encoded(120, seed=5)
+    threads = set()  # Thread objects, not idents: a new thread may reuse an ended one's ident
+
+    def forward(ids, mask):
+        threads.add(threading.current_thread())
+        return model(ids, mask)
+
+    for _ in range(3):
+        ev.batched_logits(forward, enc, ev.batches_for(enc, 16, CPU), CPU, 2)
+    assert len(threads) == 2  # the same two workers in every call
+
+
+def test_a_forked_child_makes_its_own_workers(two_torch_threads):
+    ev.worker_pool(2, 1)
+    assert ev._pools
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's threads are not here, so neither is their pool
+        os._exit(0 if not ev._pools else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert ev._pools  # the parent keeps its own
 
 
 @pytest.mark.parametrize("max_tokens", [64, 10**9])

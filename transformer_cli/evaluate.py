@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -101,18 +102,33 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
     if workers > 1 and len(batches) > 1:
         # the longest batches first, so that the workers end together (longest processing time first)
         batches = sorted(batches, key=lambda idx: -len(idx) * int(enc.lengths[idx].max()))
-        with torch_threads(per_worker):  # torch's thread count is per thread: each worker sets its own
-            pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
+        with torch_threads(per_worker):
+            futures = [worker_pool(workers, per_worker).submit(forward, idx) for idx in batches]
             try:
-                results = list(pool.map(forward, batches))
+                results = [f.result() for f in futures]
             finally:  # on an error or Ctrl-C, batches not started yet are dropped, not run
-                pool.shutdown(cancel_futures=True)
+                for f in futures:
+                    f.cancel()
     else:
         results = map(forward, batches)
     out = torch.zeros(len(enc), num_labels)
     for idx, logits in zip(batches, results):
         out[torch.from_numpy(idx)] = logits
     return out
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
+
+
+def worker_pool(workers: int, per_worker: int) -> ThreadPoolExecutor:
+    """The process's pool of `workers` threads with `per_worker` torch threads each (torch's thread
+    count is per thread: each worker sets its own), made on first use and kept for later calls."""
+    pool = _pools.get((workers, per_worker))
+    if pool is None:
+        pool = _pools[workers, per_worker] = ThreadPoolExecutor(
+            workers, thread_name_prefix="tfm-eval", initializer=torch.set_num_threads, initargs=(per_worker,))
+    return pool
 
 
 @contextlib.contextmanager
