@@ -78,6 +78,14 @@ def test_load_model_dir(model_dir):
     assert cfg.model.d_model == model.encoder.tok_emb.embedding_dim
 
 
+def test_load_model_dir_reads_the_calibration_temperature(model_dir):
+    edit_config(model_dir, calibration={"temperature": 1.5})
+    assert load_model_dir(model_dir).temperature == 1.5
+    edit_config(model_dir, calibration={"temperature": -1})  # refused when loaded, before any work
+    with pytest.raises(TfmError, match="config.json' has an invalid calibration temperature -1"):
+        load_model_dir(model_dir)
+
+
 def test_a_model_saved_before_the_ngram_path_loads_without_one(model_dir):
     meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
     assert meta["model"].pop("ngram_buckets") == 0 and meta["model"].pop("ngram_lr_scale")  # tiny.toml: off
