@@ -2,11 +2,13 @@ import json
 import math
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from test_checkpoint import edit_config
 
 from transformer_cli.calibration import (
     calibrate,
@@ -45,9 +47,16 @@ def test_fit_temperature_recovers_a_known_temperature(k, true_t):
 
 def test_fit_temperature_degenerate_inputs():
     assert fit_temperature(torch.zeros(0, 2), np.zeros(0, dtype=np.int64)) == 1.0
-    # all right: the NLL falls as T -> 0, the fit sharpens, within its bound
+    # all right: the NLL falls all the way as T -> 0; no T fits, and the model is left as it is
     logits = torch.tensor([[2.0, -2.0], [-3.0, 3.0]] * 10)
-    assert 0.01 <= fit_temperature(logits, np.array([0, 1] * 10)) < 0.5
+    assert fit_temperature(logits, np.array([0, 1] * 10)) == 1.0
+    # one wrong beside them: the NLL has its minimum at a finite T
+    labels = np.array([0, 1] * 10)
+    labels[0] = 1
+    t = fit_temperature(logits, labels)
+    nll = [torch.nn.functional.cross_entropy(logits.double() / s, torch.as_tensor(labels)).item()
+           for s in (t * 0.97, t, t * 1.03)]
+    assert 0.01 < t < 100.0 and nll[1] < nll[0] and nll[1] < nll[2]
     # all wrong: the NLL falls as T grows, within its bound
     assert 2.0 < fit_temperature(logits, np.array([1, 0] * 10)) <= 100.0
     assert fit_temperature(torch.zeros(6, 3), np.array([0, 1, 2, 0, 1, 2])) == 1.0  # no gradient at all
@@ -115,15 +124,17 @@ def predicted_probs(model_dir, texts: list[str]) -> np.ndarray:
     return np.array([list(r["probabilities"].values()) for r in results])
 
 
-def test_a_trained_run_stores_its_temperature_and_predict_uses_it(trained_run, test_rows):
+def test_a_trained_run_stores_its_temperature_and_predict_uses_it(trained_run, test_rows, tmp_path):
     out, metrics = trained_run
     cal = json.loads((out / "config.json").read_text())["calibration"]
     assert cal == metrics["calibration"]
-    assert cal["temperature"] > 0 and cal["temperature"] != 1.0
-    assert cal["num_examples"] == metrics["val"]["num_examples"]
+    assert cal["temperature"] > 0 and cal["num_examples"] == metrics["val"]["num_examples"]
+    # the fixture's model may get its validation split all right (T = 1): predict with another T too
     texts = [r["text"] for r in test_rows[:40]]
-    expected = softmax(model_logits(out, texts), cal["temperature"])
-    np.testing.assert_allclose(predicted_probs(out, texts), expected, atol=1e-5)
+    copy = Path(shutil.copytree(out, tmp_path / "copy", ignore=shutil.ignore_patterns("checkpoints")))
+    edit_config(copy, calibration={**cal, "temperature": 0.5})
+    for run, t in [(out, cal["temperature"]), (copy, 0.5)]:
+        np.testing.assert_allclose(predicted_probs(run, texts), softmax(model_logits(out, texts), t), atol=1e-5)
 
 
 def test_evaluate_reports_the_ece_of_the_calibrated_probabilities(trained_dir, test_rows):

@@ -3,11 +3,14 @@
 import dataclasses
 import json
 import re
+import shutil
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import edit_config
 from test_cli import NEGATIVE_TEXT, POSITIVE_TEXT, assert_fails_cleanly, json_lines, tfm
 
 from transformer_cli.calibration import saved_temperature
@@ -30,29 +33,35 @@ def baseline_gap(model, ids: torch.Tensor, target: int, temperature: float = 1.0
     return probability(model, ids, target, temperature) - probability(model, baseline, target, temperature)
 
 
-def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(trained_dir):
-    r = tfm("predict", "-c", trained_dir, "--json", "--explain", POSITIVE_TEXT, NEGATIVE_TEXT)
+@pytest.fixture
+def calibrated_dir(trained_dir, tmp_path) -> Path:
+    """The trained model with a calibration temperature of 0.5, whatever the fixture's fit gave."""
+    copy = Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
+    edit_config(copy, calibration={"temperature": 0.5})
+    return copy
+
+
+def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(calibrated_dir):
+    r = tfm("predict", "-c", calibrated_dir, "--json", "--explain", POSITIVE_TEXT, NEGATIVE_TEXT)
     assert r.exit_code == 0, r.stderr
-    plain = json_lines(tfm("predict", "-c", trained_dir, "--json", POSITIVE_TEXT, NEGATIVE_TEXT).stdout)
-    model, cfg, tokenizer, labels, _ = load_model_dir(trained_dir)
-    temperature = saved_temperature(trained_dir)
+    plain = json_lines(tfm("predict", "-c", calibrated_dir, "--json", POSITIVE_TEXT, NEGATIVE_TEXT).stdout)
+    model, cfg, tokenizer, labels, _ = load_model_dir(calibrated_dir)
+    temperature = saved_temperature(calibrated_dir)
     for text, out, before in zip([POSITIVE_TEXT, NEGATIVE_TEXT], json_lines(r.stdout), plain):
         assert {k: out[k] for k in before} == before  # predict's own fields unchanged
         ids = review_ids(tokenizer, [text], cfg.data)[0]
         assert out["tokens"] == [tokenizer.id_to_token(int(i)) for i in ids[1:]]
         # attributions to the probability predict gives (calibrated by the run's temperature)
         target = labels.index(out["label"])
-        assert temperature != 1.0 and probability(model, ids, target, temperature) == pytest.approx(out["score"])
+        assert temperature == 0.5 and probability(model, ids, target, temperature) == pytest.approx(out["score"])
         attr, _ = integrated_gradients(model, ids, target, IG_STEPS, temperature)
         assert out["attributions"] == pytest.approx(attr[1:].tolist(), abs=1e-6)
     assert json_lines(r.stdout)[0]["label"] == "pos"
 
 
 def test_attributions_add_up_to_the_change_of_probability_with_enough_steps(trained_dir):
-    """Completeness, --ig-steps through the CLI: the integral converges to p(review) - p(baseline). The
-    fixture's tiny model is not bit for bit the same in every test process; where it
-    gets its validation split all right, the fitted temperature falls to about 0.04 and the path turns
-    sharp: 256 nodes then sum to 1.77 for a gap of 1.0, 4,096 to 1.0."""
+    """Completeness, --ig-steps through the CLI: the integral converges to p(review) - p(baseline).
+    4,096 nodes leave room for a sharp path (a model fitted to a temperature well below 1)."""
     model, cfg, tokenizer, labels, _ = load_model_dir(trained_dir)
     temperature = saved_temperature(trained_dir)
     r = tfm("predict", "-c", trained_dir, "--json", "--explain", "--ig-steps", "4096", POSITIVE_TEXT, NEGATIVE_TEXT)

@@ -26,17 +26,24 @@ from transformer_cli.fileio import read_json, write_json
 
 BINS = 15  # equal-width bins of the top probability, as ECE is usually reported
 CONFIG_KEY = "calibration"  # config.json's object: {"temperature", "ece_before", "ece_after", ...}
-T_RANGE = (1e-2, 1e2)  # T beyond these is a degenerate fit (e.g. a split it gets all right)
+T_RANGE = (1e-2, 1e2)  # T beyond these is a degenerate fit (e.g. a split it gets almost all wrong)
 LOG_T_RANGE = (math.log(T_RANGE[0]), math.log(T_RANGE[1]))
 
 
 def fit_temperature(logits: torch.Tensor, labels: np.ndarray | torch.Tensor, max_iter: int = 100) -> float:
     """The T > 0 that minimises the mean NLL of softmax(logits / T) on (logits, labels): L-BFGS on log T,
-    in float64, from T = 1; deterministic. Clamped to [0.01, 100]; 1.0 for no examples."""
+    in float64, from T = 1; deterministic. Clamped to [0.01, 100].
+
+    1.0 for no examples, and for a split where every label has the strictly largest logit: there the
+    NLL falls all the way to T -> 0, no T fits, and the bound would make the model all but certain of
+    every prediction, wrong ones included.
+    """
     if len(logits) == 0:
         return 1.0
     z = torch.as_tensor(logits, dtype=torch.float64)
     y = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+    if (z.gather(1, y[:, None]) > z.scatter(1, y[:, None], -math.inf)).all():
+        return 1.0
     log_t = torch.zeros((), dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([log_t], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10, tolerance_change=1e-12,
                             line_search_fn="strong_wolfe")
