@@ -1,5 +1,6 @@
 import csv
 import dataclasses
+import json
 import re
 import tarfile
 from collections import Counter
@@ -15,6 +16,7 @@ from transformer_cli.data import (
     CLS_ID,
     PAD_ID,
     PAD_MULTIPLE,
+    SPECIAL_TOKENS,
     BucketSampler,
     Encoded,
     collate,
@@ -24,6 +26,7 @@ from transformer_cli.data import (
     stratified_split,
     train_tokenizer,
     truncate,
+    word_characters,
 )
 from transformer_cli.errors import TfmError, UsageError
 
@@ -248,6 +251,47 @@ def test_tokenizer_round_trip(train_texts, lowercase):
 def test_tokenizer_reserves_the_special_ids(tokenizer):
     assert tokenizer.token_to_id("[PAD]") == PAD_ID
     assert tokenizer.token_to_id("[CLS]") == CLS_ID
+
+
+TRAIN_IN_A_PROCESS = """
+import json, sys
+from transformer_cli.config import DataConfig
+from transformer_cli.data import train_tokenizer
+texts = json.load(open(sys.argv[1]))
+print(train_tokenizer(texts, DataConfig(vocab_size=150)).to_str())
+"""
+
+
+def test_wordpiece_training_gives_the_same_tokenizer_in_every_process(train_texts, tmp_path):
+    """`tokenizers`' own WordPiece trainer gives a different vocabulary in each process (its hash
+    maps are seeded per process); 150 tokens leave ties between merges to break."""
+    import subprocess
+    import sys
+
+    (tmp_path / "texts.json").write_text(json.dumps(train_texts))
+    runs = {subprocess.run([sys.executable, "-c", TRAIN_IN_A_PROCESS, str(tmp_path / "texts.json")],
+                           capture_output=True, text=True, check=True).stdout for _ in range(3)}
+    assert len(runs) == 1
+    assert json.loads(runs.pop()) == json.loads(train_tokenizer(train_texts, DataConfig(vocab_size=150)).to_str())
+
+
+def test_only_the_special_tokens_are_special(tokenizer):
+    assert [t.content for t in tokenizer.get_added_tokens_decoder().values()] == SPECIAL_TOKENS
+    assert tokenizer.token_to_id("##e") is not None  # a continuation, an ordinary token: text never matches it
+    assert tokenizer.encode("##e", add_special_tokens=False).tokens[-1] == "e"  # "#" splits off
+
+
+def test_wordpiece_refuses_texts_it_cannot_read_twice(train_texts):
+    with pytest.raises(TypeError, match="twice"):
+        train_tokenizer(iter(train_texts), DataConfig(vocab_size=500), len(train_texts))
+
+
+def test_word_characters_are_normalized_and_leave_out_what_splits_words():
+    from tokenizers import normalizers
+
+    normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    # "c" + a combining acute composes to one character; the ligature "fi" splits in two
+    assert word_characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", "\u0107", "d", "f", "i", "x", "y"}
 
 
 # --------------------------------------------------------------------------- batching

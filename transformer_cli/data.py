@@ -12,7 +12,9 @@ import hashlib
 import io
 import json
 import re
+import string
 import tarfile
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +28,9 @@ from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, cache_
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
 DEFAULT_LABELS = ["neg", "pos"]  # the names of integer labels 0 and 1 when a dataset has no others (IMDB's)
+CONTINUATION = "##"  # WordPiece's mark of a subword that continues a word
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
+TOKENIZER_VERSION = 2  # in the tokenizer cache's key; 2: WordPiece trained the same in every process
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
@@ -395,35 +399,65 @@ def cache_key(*parts) -> str:
 
 
 def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
-    """A WordPiece or BPE tokenizer trained on `texts`, read once as a stream; `length`: how many
-    there are (default: len(texts)), for the trainer's progress."""
+    """A WordPiece or BPE tokenizer trained on `texts`; `length`: how many there are (default:
+    len(texts)), for the trainer's progress. WordPiece reads `texts` twice, so it must start over on
+    each `iter()` (a list, not a generator).
+
+    The same texts and settings give the same tokenizer in every process. `tokenizers`' WordPiece
+    trainer alone does not: it numbers the "##" continuation of each character in hash-map order,
+    and those numbers break ties between equally frequent merges (huggingface/tokenizers#1794).
+    Naming every continuation, sorted, among the trainer's special tokens fixes their numbers; the
+    tokenizer returned keeps only SPECIAL_TOKENS as special.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
     if cfg.lowercase:
         norm.append(normalizers.Lowercase())
+    normalizer = normalizers.Sequence(norm)
     if cfg.tokenizer == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
-                                             min_frequency=MIN_FREQUENCY, show_progress=False)
-        tok.decoder = decoders.WordPiece()
+        if iter(texts) is texts:
+            raise TypeError("train_tokenizer reads WordPiece's texts twice: pass a list or a re-iterable")
+        continuations = sorted(CONTINUATION + c for c in word_characters(texts, normalizer))
+        model, decoder = models.WordPiece(unk_token="[UNK]"), decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS + continuations,
+                                             min_frequency=MIN_FREQUENCY, continuing_subword_prefix=CONTINUATION,
+                                             show_progress=False)
     else:
-        tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+        model, decoder = models.BPE(unk_token="[UNK]"), decoders.BPEDecoder()
         trainer = trainers.BpeTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS,
                                        min_frequency=MIN_FREQUENCY, show_progress=False)
-        tok.decoder = decoders.BPEDecoder()
-    tok.normalizer = normalizers.Sequence(norm)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+
+    def assemble(model):
+        tok = Tokenizer(model)
+        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizers.BertPreTokenizer(), decoder
+        return tok
+
+    tok = assemble(model)
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if length is None else length)
+    if cfg.tokenizer == "wordpiece":  # the continuations stay in the vocabulary as ordinary tokens
+        tok = assemble(tok.model)
+        tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
 
 
+def word_characters(texts: Iterable[str], normalizer) -> set[str]:
+    """The characters of `texts`, normalized by `normalizer`, that can continue a word: all but the
+    whitespace and punctuation that BertPreTokenizer splits words at."""
+    seen: set[str] = set()
+    for t in texts:  # only texts that NFKC changes are normalized whole, since NFKC composes characters;
+        seen.update(t if unicodedata.is_normalized("NFKC", t) else normalizer.normalize_str(t))
+    # the rest of the normalizer (the <br> replacement, lowercasing) maps character by character
+    chars = {c for ch in seen for c in normalizer.normalize_str(ch)}
+    return {c for c in chars if not (c.isspace() or c in string.punctuation or unicodedata.category(c)[0] == "P")}
+
+
 def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint: str):
-    """The tokenizer trained on `texts` (n of them, read once as a stream), or loaded from the cache,
-    where it is kept under a key of their `fingerprint` and the tokenizer settings."""
+    """The tokenizer trained on `texts` (n of them, re-iterable as train_tokenizer needs), or loaded
+    from the cache, where it is kept under a key of their `fingerprint` and the tokenizer settings."""
     from tokenizers import Tokenizer
 
-    key = cache_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY)
+    key = cache_key(fingerprint, cfg.tokenizer, cfg.vocab_size, cfg.lowercase, MIN_FREQUENCY, TOKENIZER_VERSION)
     path = cache_dir(cfg.cache_dir) / f"tokenizer-{key}.json"
     if path.is_file():
         try:

@@ -103,6 +103,10 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     def chunks() -> Iterator[list[str]]:  # a new pass over the text
         return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples)
 
+    class Texts:  # every text, from the start on each iter(): the tokenizer trainer reads them twice
+        def __iter__(self) -> Iterator[str]:
+            return (t for texts in chunks() for t in texts)
+
     h = hashlib.blake2b(digest_size=16)
     n = 0
     for texts in chunks():
@@ -114,7 +118,7 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
         raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
     fingerprint = h.hexdigest()
     if tokenizer is None:
-        tokenizer = cached_tokenizer((t for texts in chunks() for t in texts), n, d, fingerprint)
+        tokenizer = cached_tokenizer(Texts(), n, d, fingerprint)
     folder = cache_dir(d.cache_dir)
     key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
