@@ -19,14 +19,15 @@ from transformer_cli.data import (
     SPECIAL_TOKENS,
     BucketSampler,
     Encoded,
+    characters,
     collate,
     encode_texts,
     load_splits,
     prepare_train_data,
+    splits_words,
     stratified_split,
     train_tokenizer,
     truncate,
-    word_characters,
 )
 from transformer_cli.errors import TfmError, UsageError
 
@@ -286,12 +287,23 @@ def test_wordpiece_refuses_texts_it_cannot_read_twice(train_texts):
         train_tokenizer(iter(train_texts), DataConfig(vocab_size=500), len(train_texts))
 
 
-def test_word_characters_are_normalized_and_leave_out_what_splits_words():
+def test_characters_are_normalized_and_leave_out_whitespace():
     from tokenizers import normalizers
 
     normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     # "c" + a combining acute composes to one character; the ligature "fi" splits in two
-    assert word_characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", "\u0107", "d", "f", "i", "x", "y"}
+    assert characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", ",", "\u0107", "d", "f", "i", "!", "x", "y"}
+    assert [c for c in ", a . \u2014 b \u00bf\x1c" if not splits_words(c)] == ["a", "b", "\x1c"]
+
+
+def test_the_alphabet_comes_before_the_continuations_as_the_trainer_orders_them(tokenizer):
+    vocab = tokenizer.get_vocab()
+    alphabet = sorted((i, t) for t, i in vocab.items() if len(t) == 1)
+    continuations = sorted((i, t) for t, i in vocab.items() if t.startswith("##") and len(t) == 3)
+    assert [i for i, _ in alphabet] == list(range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(alphabet)))
+    assert [t for _, t in alphabet] == sorted(t for _, t in alphabet)  # by code point
+    assert [t for _, t in continuations] == sorted(t for _, t in continuations)
+    assert continuations[0][0] == alphabet[-1][0] + 1
 
 
 # --------------------------------------------------------------------------- batching

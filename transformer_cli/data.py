@@ -30,7 +30,7 @@ PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
 DEFAULT_LABELS = ["neg", "pos"]  # the names of integer labels 0 and 1 when a dataset has no others (IMDB's)
 CONTINUATION = "##"  # WordPiece's mark of a subword that continues a word
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
-TOKENIZER_VERSION = 2  # in the tokenizer cache's key; 2: WordPiece trained the same in every process
+TOKENIZER_VERSION = 3  # in the tokenizer cache's key; 3: WordPiece trained the same in every process
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
@@ -405,9 +405,11 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
 
     The same texts and settings give the same tokenizer in every process. `tokenizers`' WordPiece
     trainer alone does not: it numbers the "##" continuation of each character in hash-map order,
-    and those numbers break ties between equally frequent merges (huggingface/tokenizers#1794).
-    Naming every continuation, sorted, among the trainer's special tokens fixes their numbers; the
-    tokenizer returned keeps only SPECIAL_TOKENS as special.
+    after the alphabet, and those numbers break ties between equally frequent merges
+    (huggingface/tokenizers#1794). Naming the alphabet in the trainer's own order (by code point)
+    and then every continuation, sorted, among the trainer's special tokens gives the numbers the
+    trainer would give had its hash map come out sorted; the tokenizer returned keeps only
+    SPECIAL_TOKENS as special.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -418,9 +420,11 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
     if cfg.tokenizer == "wordpiece":
         if iter(texts) is texts:
             raise TypeError("train_tokenizer reads WordPiece's texts twice: pass a list or a re-iterable")
-        continuations = sorted(CONTINUATION + c for c in word_characters(texts, normalizer))
+        alphabet = sorted(characters(texts, normalizer))
+        continuations = [CONTINUATION + c for c in alphabet if not splits_words(c)]
         model, decoder = models.WordPiece(unk_token="[UNK]"), decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS + continuations,
+        trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size,
+                                             special_tokens=SPECIAL_TOKENS + alphabet + continuations,
                                              min_frequency=MIN_FREQUENCY, continuing_subword_prefix=CONTINUATION,
                                              show_progress=False)
     else:
@@ -441,15 +445,25 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
     return tok
 
 
-def word_characters(texts: Iterable[str], normalizer) -> set[str]:
-    """The characters of `texts`, normalized by `normalizer`, that can continue a word: all but the
-    whitespace and punctuation that BertPreTokenizer splits words at."""
+def characters(texts: Iterable[str], normalizer) -> set[str]:
+    """The characters of `texts` normalized by `normalizer`, whitespace aside. It may hold a few
+    that no text has once normalized whole (e.g. the "<" of a "<br />"): never in a word, they are
+    dead entries of a vocabulary, and change no other token's order."""
     seen: set[str] = set()
     for t in texts:  # only texts that NFKC changes are normalized whole, since NFKC composes characters;
         seen.update(t if unicodedata.is_normalized("NFKC", t) else normalizer.normalize_str(t))
     # the rest of the normalizer (the <br> replacement, lowercasing) maps character by character
-    chars = {c for ch in seen for c in normalizer.normalize_str(ch)}
-    return {c for c in chars if not (c.isspace() or c in string.punctuation or unicodedata.category(c)[0] == "P")}
+    return {c for ch in seen for c in normalizer.normalize_str(ch) if not is_whitespace(c)}
+
+
+def is_whitespace(c: str) -> bool:
+    """Rust's char::is_whitespace, which BertPreTokenizer splits at: Python's isspace() less U+001C-U+001F."""
+    return c.isspace() and c not in "\x1c\x1d\x1e\x1f"
+
+
+def splits_words(c: str) -> bool:
+    """Whether BertPreTokenizer splits words at `c` (whitespace, punctuation): then no word continues with it."""
+    return is_whitespace(c) or c in string.punctuation or unicodedata.category(c)[0] == "P"
 
 
 def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint: str):
