@@ -439,7 +439,7 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
 
     tok = assemble(model)
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if length is None else length)
-    if cfg.tokenizer == "wordpiece":  # the continuations stay in the vocabulary as ordinary tokens
+    if cfg.tokenizer == "wordpiece":  # the alphabet and the continuations stay in the vocabulary, as ordinary tokens
         tok = assemble(tok.model)
         tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
@@ -448,7 +448,7 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
 def characters(texts: Iterable[str], normalizer) -> set[str]:
     """The characters of `texts` normalized by `normalizer`, whitespace aside. It may hold a few
     that no text has once normalized whole (e.g. the "<" of a "<br />"): never in a word, they are
-    dead entries of a vocabulary, and change no other token's order."""
+    dead entries of a vocabulary and leave the other tokens in the order they had."""
     seen: set[str] = set()
     for t in texts:  # only texts that NFKC changes are normalized whole, since NFKC composes characters;
         seen.update(t if unicodedata.is_normalized("NFKC", t) else normalizer.normalize_str(t))
