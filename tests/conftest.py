@@ -187,6 +187,19 @@ def trained_dir(trained_run) -> Path:
     return trained_run[0]
 
 
+@pytest.fixture
+def model_dir(trained_dir, tmp_path) -> Path:
+    """A private copy of the trained model directory (no checkpoints), free to change or damage."""
+    return Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
+
+
+def edit_config(model_dir: Path, **changes) -> None:
+    """Replace top-level entries of a model directory's config.json."""
+    meta = json.loads((model_dir / "config.json").read_text())
+    meta.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(meta))
+
+
 # --------------------------------------------------------------------------- the reference inference path
 
 

@@ -1,10 +1,10 @@
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import edit_config
 
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import ModelConfig
@@ -56,18 +56,6 @@ def test_load_weights_refuses_damaged_files(weights_file):
 
 
 # --------------------------------------------------------------------------- the model directory
-
-
-@pytest.fixture
-def model_dir(trained_dir, tmp_path) -> Path:
-    """A private copy of the trained model directory, free to damage."""
-    return Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
-
-
-def edit_config(model_dir: Path, **changes) -> None:
-    meta = json.loads((model_dir / ckpt.CONFIG_FILE).read_text())
-    meta.update(changes)
-    (model_dir / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
 
 
 def test_load_model_dir(model_dir):

@@ -1,10 +1,9 @@
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import write_jsonl
+from conftest import edit_config, write_jsonl
 
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import evaluate_checkpoint, metrics_from_confusion, predict_texts
@@ -88,26 +87,22 @@ def test_predict_needs_texts(trained_dir):
 
 
 @pytest.mark.parametrize("form", ["folder", "named-files"])
-def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(trained_dir, synthetic_data_dir, tmp_path,
+def test_a_runs_relative_dataset_path_missing_from_here_asks_for_data(model_dir, synthetic_data_dir, tmp_path,
                                                                       monkeypatch, form):
-    import json
     import os
-    import shutil
 
     def source(root: str) -> str:
         return root if form == "folder" else f"train={root}/train.jsonl,test={root}/test.jsonl"
 
-    model_dir = Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
-    meta = json.loads((model_dir / "config.json").read_text())
-    meta["data"]["source"] = source(os.path.relpath(synthetic_data_dir, tmp_path))  # as trained from tmp_path
-    (model_dir / "config.json").write_text(json.dumps(meta))
+    data = json.loads((model_dir / "config.json").read_text())["data"]
+    data["source"] = source(os.path.relpath(synthetic_data_dir, tmp_path))  # as trained from tmp_path
+    edit_config(model_dir, data=data)
     monkeypatch.chdir(tmp_path)
     assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
     monkeypatch.chdir(model_dir)
     with pytest.raises(UsageError, match=r"is not found from here; pass --data"):
         evaluate_checkpoint(model_dir, device="cpu", max_samples=5)
-    meta["data"]["source"] = source(str(synthetic_data_dir))  # absolute paths: found from anywhere
-    (model_dir / "config.json").write_text(json.dumps(meta))
+    edit_config(model_dir, data={**data, "source": source(str(synthetic_data_dir))})  # absolute: found from anywhere
     assert evaluate_checkpoint(model_dir, device="cpu", max_samples=5)["num_examples"] == 5
     given = evaluate_checkpoint(model_dir, data=str(synthetic_data_dir), device="cpu", max_samples=5)
     assert given["num_examples"] == 5

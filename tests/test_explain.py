@@ -3,14 +3,13 @@
 import dataclasses
 import json
 import re
-import shutil
 from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_checkpoint import edit_config
+from conftest import edit_config
 from test_cli import NEGATIVE_TEXT, POSITIVE_TEXT, assert_fails_cleanly, json_lines, tfm
 
 from transformer_cli.calibration import saved_temperature
@@ -34,11 +33,10 @@ def baseline_gap(model, ids: torch.Tensor, target: int, temperature: float = 1.0
 
 
 @pytest.fixture
-def calibrated_dir(trained_dir, tmp_path) -> Path:
+def calibrated_dir(model_dir) -> Path:
     """The trained model with a calibration temperature of 0.5, whatever the fixture's fit gave."""
-    copy = Path(shutil.copytree(trained_dir, tmp_path / "model", ignore=shutil.ignore_patterns("checkpoints")))
-    edit_config(copy, calibration={"temperature": 0.5})
-    return copy
+    edit_config(model_dir, calibration={"temperature": 0.5})
+    return model_dir
 
 
 def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(calibrated_dir):
