@@ -268,10 +268,12 @@ def test_predict_with_a_missing_checkpoint_fails_cleanly(tmp_path):
         (lambda ckpt, tmp: ["evaluate", "-c", ckpt, "--device", "cuda0"], "--device cuda0: unknown device"),
         (lambda ckpt, tmp: ["predict", "-c", ckpt, "--precision", "fp8", "text"], "--precision fp8: unknown"),
         (lambda ckpt, tmp: ["evaluate", "-c", ckpt, "--precision", "fp16"], "fp16 is not supported on CPU"),
+        (lambda ckpt, tmp: ["serve", "-c", ckpt, "--max-wait-ms", "nan"], "Invalid value for '--max-wait-ms'"),
+        (lambda ckpt, tmp: ["serve", "-c", ckpt, "--max-wait-ms", "inf"], "--max-wait-ms must be a finite number"),
     ],
     ids=["empty-text", "file-is-dir", "file-missing", "text-and-file", "override-no-section",
          "override-no-equals", "unknown-key", "invalid-value", "train-device", "predict-device", "evaluate-device",
-         "predict-precision", "evaluate-precision"],
+         "predict-precision", "evaluate-precision", "serve-wait-nan", "serve-wait-inf"],
 )
 def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
     assert_fails_cleanly(tfm(*make_args(cli_run, tmp_path)), 2, fragment)

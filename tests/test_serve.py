@@ -194,3 +194,13 @@ def test_a_missing_extra_is_named_in_one_line(trained_dir, tmp_path, command, mo
                           check=False)
     assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("tfm: error: ") and f"pip install transformer-cli[{extra}]" in done.stderr
+
+
+@pytest.mark.parametrize("wait", [float("nan"), float("inf")])
+def test_limits_refuse_a_wait_that_never_ends(wait):
+    """With nan or inf the first request of a batch would wait for a deadline that never comes."""
+    from transformer_cli.errors import UsageError
+    from transformer_cli.serve import Limits
+
+    with pytest.raises(UsageError, match="--max-wait-ms must be a finite number of 0 or more"):
+        Limits(max_wait_ms=wait)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +44,10 @@ class Limits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value < 0 or (value == 0 and field.name != "max_wait_ms"):
-                raise UsageError(f"--{field.name.replace('_', '-')} must be positive, not {value}")
+            value, zero_ok = getattr(self, field.name), field.name == "max_wait_ms"
+            if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+                raise UsageError(f"--{field.name.replace('_', '-')} must be a finite number "
+                                 f"{'of 0 or more' if zero_ok else 'above 0'}, not {value}")
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
