@@ -47,8 +47,9 @@ def main() -> None:
                 "mean_tokens": float(np.mean([len(r[0]) for r in reviews])), "seconds": time.perf_counter() - t0})
     print(f"{out['reviews']} test reviews ({out['mean_tokens']:.0f} tokens on average): hiding the top "
           f"{args.fraction:.0%} attributed tokens lowers the label's probability by {out['top_drop']:.4f}, "
-          f"as many random tokens by {out['random_drop']:.4f}: ratio {out['ratio']:.1f}x "
-          f"({out['seconds']:.0f} s, {out['torch_threads']} thread(s))")
+          f"as many random tokens by {out['random_drop']:.4f}: "
+          + (f"ratio {out['ratio']:.1f}x " if out["ratio"] is not None else "no ratio (random hiding did not lower it) ")
+          + f"({out['seconds']:.0f} s, {out['torch_threads']} thread(s))")
     print(json.dumps(out))
 
 

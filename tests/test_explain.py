@@ -127,6 +127,26 @@ def test_hiding_the_most_attributed_tokens_lowers_the_probability_more_than_rand
     assert out["top_drop"] > 0.05  # the signal words carry the label
 
 
+class Raising(torch.nn.Module):
+    """A model whose first class gets likelier the more tokens are hidden."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, ids, mask):
+        hidden = (~mask).float().sum(-1)
+        return torch.stack([hidden * self.w, torch.zeros_like(hidden)], -1)
+
+
+def test_faithfulness_gives_no_ratio_when_hiding_random_tokens_does_not_lower_the_probability():
+    ids = torch.arange(21)
+    out = faithfulness(Raising(), [(ids, 0, np.linspace(0, 1, 20))], fraction=0.1)
+    assert out["top_drop"] < 0 and out["random_drop"] < 0
+    assert out["ratio"] is None  # not inf: a useless attribution must not read as a perfect one
+    json.dumps(out, allow_nan=False)
+
+
 class Spans(HTMLParser):
     """The text of every <span class="t"> of a page, and every URL-like attribute."""
 

@@ -130,7 +130,8 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
     """Hide each review's most-attributed tokens (the top `fraction` of its tokens, at least one) and,
     separately, as many random ones (`random_draws` draws, averaged); report the mean drops of the
     label's probability and their ratio. `reviews`: ((T,) ids, target, (T-1,) attributions without
-    [CLS]). A ratio well above 1 says the attributions point at what the model reads."""
+    [CLS]). A ratio well above 1 says the attributions point at what the model reads; it is None
+    where hiding random tokens did not lower the probability, since then no ratio measures anything."""
     rng = np.random.default_rng(seed)
     top_drops, random_drops = [], []
     for ids, target, attr in reviews:
@@ -143,7 +144,7 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
         random_drops.append(p[0] - p[2:].mean())
     top, rand = float(np.mean(top_drops)), float(np.mean(random_drops))
     return {"reviews": len(reviews), "fraction": fraction, "top_drop": top, "random_drop": rand,
-            "ratio": top / rand if rand > 0 else float("inf")}
+            "ratio": top / rand if rand > 0 else None}
 
 
 # --------------------------------------------------------------------------- showing them
