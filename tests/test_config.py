@@ -85,12 +85,18 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"train": {"output_dir": ""}}, ["train.output_dir", "must name a folder"]),
         ({"data": {"val_split": "test"}}, ["data.val_split", "'test'", "other than train and test"]),
         ({"data": {"val_split": "train"}}, ["data.val_split", "'train'"]),
+        ({"train": {"lr": 10**400}}, ["train.lr", "must be a finite number"]),
+        ({"model": {"d_model": 10**30}}, ["model.d_model", "between 1 and 65,536"]),
+        ({"model": {"n_layers": 10**6}}, ["model.n_layers", "between 1 and 1,024"]),
+        ({"data": {"max_length": 10**8}}, ["data.max_length", "between 2 and 1,048,576"]),
+        ({"train": {"num_threads": 100_000}}, ["train.num_threads", "at most 1,024"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
          "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
          "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty",
-         "val-split-test", "val-split-train"],
+         "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge", "length-huge",
+         "threads-huge"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:

@@ -23,6 +23,11 @@ import tomllib
 from transformer_cli.errors import TfmError, UsageError
 
 MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers library aborts on huge ones)
+# Sizes beyond these are typos: they would fail deep in torch (a C++ trace), be killed for memory, or crash.
+MAX_WIDTH = 1 << 16  # model.d_model
+MAX_DEPTH = 1024  # model.n_layers, model.ff_mult
+MAX_LENGTH = 1 << 20  # data.max_length, tokens per text
+MAX_THREADS = 1024  # train.num_threads
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # what train.precision and --precision accept
 SelectMetric = Literal["accuracy", "macro_f1", "loss"]  # validation metrics train.select_metric may name
@@ -40,7 +45,10 @@ class _Section:
                     f"{self._name}.{f.name} = {value!r}: expected {_type_name(hints[f.name])}"
                 )
             if isinstance(value, int) and not isinstance(value, bool) and _wants_float(hints[f.name]):
-                object.__setattr__(self, f.name, float(value))
+                try:
+                    object.__setattr__(self, f.name, float(value))
+                except OverflowError:  # an integer beyond any float
+                    self._fail(f.name, "must be a finite number")
             if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name)):
                 self._fail(f.name, "must be a finite number")
         self.validate()
@@ -123,9 +131,10 @@ class ModelConfig(_Section):
     lazy_embeddings: bool = False  # embedding tables learn only in the rows a step uses (LazyAdamW)
 
     def validate(self) -> None:
-        for name in ("d_model", "n_heads", "n_layers", "ff_mult"):
-            if getattr(self, name) < 1:
-                self._fail(name, "must be at least 1")
+        for name, most in (("d_model", MAX_WIDTH), ("n_heads", MAX_WIDTH), ("n_layers", MAX_DEPTH),
+                           ("ff_mult", MAX_DEPTH)):
+            if not 1 <= getattr(self, name) <= most:
+                self._fail(name, f"must be between 1 and {most:,}")
         if self.ngram_buckets < 0:
             self._fail("ngram_buckets", "must be 0 (off) or a positive number of hash buckets")
         if not 1 <= self.ngram_order <= 8:
@@ -172,8 +181,8 @@ class DataConfig(_Section):
             self._fail("val_block", "must be at least 1 (1 = examples drawn one by one)")
         if not 100 <= self.vocab_size <= MAX_VOCAB:
             self._fail("vocab_size", f"must be between 100 and {MAX_VOCAB:,}")
-        if self.max_length < 2:
-            self._fail("max_length", "must be at least 2")
+        if not 2 <= self.max_length <= MAX_LENGTH:
+            self._fail("max_length", f"must be between 2 and {MAX_LENGTH:,}")
         if not 0.0 <= self.head_fraction <= 1.0:
             self._fail("head_fraction", "must be in [0, 1]")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -243,6 +252,8 @@ class TrainConfig(_Section):
         for name in ("max_steps", "num_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
+        if self.num_threads is not None and self.num_threads > MAX_THREADS:
+            self._fail("num_threads", f"must be at most {MAX_THREADS:,} (or unset: torch's choice)")
         if not self.lr > 0:
             self._fail("lr", "must be positive")
         if not self.weight_decay >= 0:
