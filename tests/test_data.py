@@ -27,6 +27,7 @@ from transformer_cli.data import (
     splits_words,
     stratified_split,
     train_tokenizer,
+    train_val_splits,
     truncate,
 )
 from transformer_cli.errors import TfmError, UsageError
@@ -440,6 +441,37 @@ def test_load_named_files(tmp_path, csv_rows):
     splits, _ = load_splits(cfg_for(f"train={a},test={b}"), ("train", "test"))
     assert pairs(splits["train"]) == [(r["text"], r["label"]) for r in csv_rows[:8]]
     assert pairs(splits["test"]) == [(r["text"], r["label"]) for r in csv_rows[8:]]
+
+
+def test_a_split_named_twice_is_refused_not_half_read(tmp_path, csv_rows):
+    a = write_csv(tmp_path / "a.csv", csv_rows[:8])
+    b = write_csv(tmp_path / "b.csv", csv_rows[8:])
+    with pytest.raises(UsageError, match="names split train more than once"):
+        load_splits(cfg_for(f"train={a},train={b}"), ("train",))
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"], ids=["empty", "blank"])
+def test_an_empty_file_in_a_dataset_folder_is_named(tmp_path, content):
+    write_jsonl(tmp_path / "train.jsonl", make_examples(20, seed=1))
+    (tmp_path / "test.jsonl").write_text(content, encoding="utf-8")
+    with pytest.raises(UsageError, match=f"data file '{tmp_path / 'test.jsonl'}' is empty: fill it or remove it"):
+        load_splits(cfg_for(tmp_path), ("train",))
+
+
+def test_an_unreadable_dataset_folder_is_not_told_to_pass_a_local_copy(tmp_path):
+    (tmp_path / "train.jsonl").write_text("{not json\n", encoding="utf-8")
+    with pytest.raises(TfmError, match="check its data files") as e:
+        load_splits(cfg_for(tmp_path), ("train",))
+    assert "local copy" not in str(e.value)
+
+
+def test_a_label_column_of_distinct_values_is_named(tmp_path):
+    """The text column given as the labels: every review its own class, refused before any split."""
+    rows = make_examples(40, seed=3)
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = DataConfig(source=str(path), label_column="text")
+    with pytest.raises(TfmError, match="of the .* classes in column 'text' .* have one example; set data.label_column"):
+        train_val_splits(cfg, seed=0)
 
 
 def test_optional_splits_are_loaded_when_the_dataset_has_them(tmp_path, csv_rows):

@@ -124,11 +124,12 @@ def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir,
     ([{"text": "a review", "label": "maybe", "score": 0.9}], "label 'maybe'"),
     ([{"text": "a review", "label": "pos", "score": 1.5}], "scores outside [0, 1]"),
     ([{"text": "a review", "label": "pos"}], "no column 'score'"),
+    ([{"text": "a review", "label": "pos", "score": 0.8}], "keeps none of the reviews"),
 ])
 def test_a_bad_pseudo_label_file_is_refused(synthetic_data_dir, tmp_path, rows, message):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(TfmError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
+        prepare_train_data(pseudo_cfg(synthetic_data_dir, path, pseudo_min_score=0.9), seed=0)
 
 
 def test_train_on_pseudo_labels_through_the_cli(trained_dir, synthetic_data_dir, unlabelled, tmp_path):

@@ -144,13 +144,19 @@ def open_dataset(source: str):
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
+    folder = Path(source).is_dir()
+    if folder:  # datasets would say only that a split "corresponds to no data"
+        for f in sorted(Path(source).rglob("*")):
+            if f.suffix.lower() in FILE_BUILDERS and f.is_file() and f.stat().st_size <= 4096 and \
+                    not f.read_bytes().strip():
+                raise UsageError(f"data file '{f}' is empty: fill it or remove it")
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         return datasets.load_dataset(source, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 (datasets raises many types for missing/offline/unreadable sources)
-        raise TfmError(
-            f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH"
-        ) from None
+        hint = ("check its data files (one per split, e.g. train.csv and test.csv)" if folder
+                else "pass a local copy with --data PATH")
+        raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); {hint}") from None
 
 
 def open_dataset_files(files: dict[str, str]):
@@ -208,6 +214,11 @@ def named_files(source: str) -> dict[str, str] | None:
         if any(len(p) != 2 or not p[0] or not p[1] for p in parts):
             raise UsageError(f"data source '{source}': write named files as SPLIT=FILE[,SPLIT=FILE...], "
                              "e.g. train=a.csv,test=b.csv")
+        names = [name for name, _ in parts]
+        if len(set(names)) < len(names):
+            twice = sorted({name for name in names if names.count(name) > 1})
+            raise UsageError(f"data source '{source}' names split {', '.join(twice)} more than once; give each "
+                             "split one file (join the files first to train on several)")
         return dict(parts)
     if Path(source).is_file() and Path(source).suffix.lower() in FILE_BUILDERS:
         return {"train": source}
@@ -709,6 +720,10 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     if len(label_names) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has only one class ({', '.join(label_names)}); "
                        "a classifier needs examples of at least two")
+    single = int((np.bincount(full.labels, minlength=len(label_names)) < 2).sum())
+    if single > len(label_names) // 2:  # e.g. data.label_column naming the text or an id column
+        raise TfmError(f"{single:,} of the {len(label_names):,} classes in column '{cfg.label_column}' of the train "
+                       f"split of '{cfg.source}' have one example; set data.label_column to the column of labels")
     val_split = cfg.val_split if cfg.val_split in raw else ""
     if val_split:
         val = raw[val_split]
@@ -755,6 +770,10 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], held_out: RawSpl
         raise TfmError(f"'{path}' has scores outside [0, 1]; write it with `tfm pseudo-label`")
     seen = set(held_out.texts)
     keep = [i for i, (t, s) in enumerate(zip(rows.texts, scores)) if s >= cfg.pseudo_min_score and t not in seen]
+    if not keep:
+        best = f"the highest score is {scores.max():.4f}" if len(scores) else "it has no reviews"
+        raise TfmError(f"data.pseudo_min_score = {cfg.pseudo_min_score} keeps none of the reviews of '{path}' "
+                       f"({best}); lower it")
     return rows.subset(np.asarray(keep, dtype=np.int64))
 
 
