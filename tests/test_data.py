@@ -465,6 +465,13 @@ def test_an_unreadable_dataset_folder_is_not_told_to_pass_a_local_copy(tmp_path)
     assert "local copy" not in str(e.value)
 
 
+def test_a_file_not_in_utf8_is_refused_with_what_to_do(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("text,label\ncafé great,1\nawful café,0\n".encode("latin-1"))
+    with pytest.raises(TfmError, match="codec can't decode .*; save the file as UTF-8$"):
+        load_splits(cfg_for(path), ("train",))
+
+
 def test_a_label_column_of_distinct_values_is_named(tmp_path):
     """The text column given as the labels: every review its own class, refused before any split."""
     rows = make_examples(40, seed=3)

@@ -176,7 +176,10 @@ def open_dataset_files(files: dict[str, str]):
     try:
         return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
-        raise TfmError(f"could not read {', '.join(files.values())}: {cause_line(e)}") from None
+        cause, hint = cause_line(e), ""
+        if "codec can't decode" in cause:
+            hint = "; save the file as UTF-8"
+        raise TfmError(f"could not read {', '.join(files.values())}: {cause}{hint}") from None
 
 
 def open_text_source(source: str):
