@@ -280,6 +280,35 @@ def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["explain", "-c", "{none}", "--html", "{dir}", "good"], "--html '{dir}' is a directory"),
+    (["explain", "-c", "{none}", "--html", "{file}/x.html", "good"],
+     "--html '{file}/x.html' cannot be created ('{file}' is a file, not a folder)"),
+    (["evaluate", "-c", "{none}", "--report", "{file}/sub"],
+     "--report '{file}/sub' cannot be created ('{file}' is a file, not a folder)"),
+    (["export", "-c", "{none}", "-o", "{file}/m.onnx"],
+     "--output '{file}/m.onnx' cannot be created ('{file}' is a file, not a folder)"),
+    (["export", "-c", "{none}", "-o", "{dir}.onnx"], "tokenizer file '{dir}.tokenizer.json' is a directory"),
+    (["pseudo-label", "-c", "{none}", "-o", "{dir}/p.jsonl"], "--output '{dir}/p.jsonl' is a directory"),
+    (["pseudo-label", "-c", "{none}", "-o", "{file}/p.jsonl"],
+     "--output '{file}/p.jsonl' cannot be created ('{file}' is a file, not a folder)"),
+    (["train", "-o", "{file}/run"], "output directory '{file}/run' cannot be created ('{file}' is a file"),
+], ids=["explain-dir", "explain-under-file", "report-under-file", "export-under-file", "export-tokenizer-dir",
+        "pseudo-dir", "pseudo-under-file", "train-under-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_first(tmp_path, args, message):
+    """Before any work (the model, which does not exist here, is not even read): exit 2 and one line that
+    names the path as it was given, not a temporary file's name at the end of the work."""
+    paths = {"none": tmp_path / "none", "file": tmp_path / "afile", "dir": tmp_path / "adir"}
+    paths["file"].write_text("keep me")
+    paths["dir"].mkdir()
+    (tmp_path / "adir.tokenizer.json").mkdir()
+    (paths["dir"] / "p.jsonl").mkdir()
+    assert_fails_cleanly(tfm(*[a.format(**paths) for a in args]), 2, message.format(**paths))
+    assert paths["file"].read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "adir.tokenizer.json", "afile"]
+    assert [p.name for p in paths["dir"].iterdir()] == ["p.jsonl"]
+
+
 @pytest.mark.parametrize(("args", "used"), [
     ([], "/env"),
     (["data.source=/override"], "/override"),

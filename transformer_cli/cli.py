@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 from transformer_cli import __version__
 from transformer_cli.config import TrainConfig, load_config, parse_overrides
 from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.fileio import check_output_path
 
 
 class _Tfm(TyperGroup):
@@ -452,6 +453,7 @@ def explain_reviews(
     ig_steps: IgSteps = None,
 ) -> None:
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
+    check_output_path(html, "--html", hint="pass a file name for the page")  # before the explanations' minutes
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 

@@ -23,7 +23,7 @@ import numpy as np
 from transformer_cli.data import open_text_source, sample_indices, text_chunks
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
-from transformer_cli.fileio import atomic_writer
+from transformer_cli.fileio import atomic_writer, check_output_path
 
 UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
@@ -68,8 +68,7 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
     if split == "test":
         raise UsageError("--split test: the test split is kept for the final report; label unlabelled reviews "
                          "(e.g. IMDB's 'unsupervised')")
-    if output.is_dir():
-        raise UsageError(f"--output '{output}' is a directory; pass a .jsonl file to write")
+    check_output_path(output, "--output")
     loaded = [load_for_inference(t, device, precision) for t in teachers]  # every teacher checked before the work
     labels = loaded[0].labels
     for t, other in zip(teachers[1:], (m.labels for m in loaded[1:])):
