@@ -1,3 +1,4 @@
+import codecs
 import json
 import os
 import subprocess
@@ -140,6 +141,33 @@ def test_predict_reads_latin1_with_a_warning(cli_run, tmp_path):
     assert "warning" in r.stderr and "Latin-1" in r.stderr
     assert len(r.stdout.strip().splitlines()) == 1
     assert "Très bien" in r.stdout
+
+
+@pytest.mark.parametrize(("bom", "encoding"), [
+    (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"),
+], ids=["utf-8-bom", "utf-16-le", "utf-16-be"])
+def test_predict_reads_a_file_with_a_byte_order_mark(cli_run, review_lines, tmp_path, bom, encoding):
+    """Notepad's UTF-8 with a mark and PowerShell's UTF-16 (`>`) give what the same reviews in plain UTF-8
+    give: the mark is no part of the first review, and UTF-16 is not read as Latin-1."""
+    content = "\r\n".join(["Très bien, great and wonderful", *review_lines[:4]]) + "\r\n"
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_bytes(content.encode("utf-8"))
+    marked.write_bytes(bom + content.encode(encoding))
+    for args in ([], ["--json"]):
+        expected = tfm("predict", "-c", cli_run, *args, "--file", plain)
+        r = tfm("predict", "-c", cli_run, *args, "--file", marked)
+        assert r.exit_code == 0 and r.stderr == "", r.stderr  # no Latin-1 warning
+        assert len(r.stdout.splitlines()) == 5
+        assert r.stdout == expected.stdout  # the same labels, probabilities (--json) and texts
+        if not args:
+            assert r.stdout.splitlines()[0].endswith("\tTrès bien, great and wonderful")
+
+
+def test_predict_refuses_a_file_that_is_not_the_utf_16_its_mark_says(cli_run, tmp_path):
+    path = tmp_path / "broken.txt"
+    path.write_bytes(codecs.BOM_UTF16_LE + "great film\n".encode("utf-16-le") + b"x")  # an odd number of bytes
+    assert_fails_cleanly(tfm("predict", "-c", cli_run, "--file", path), 2, f"--file '{path}'", "UTF-16 byte-order mark",
+                         "save it as UTF-8")
 
 
 def test_predict_splits_a_file_at_newlines_only(cli_run, tmp_path):

@@ -4,6 +4,7 @@ imported only inside commands."""
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
@@ -249,11 +250,7 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
                 raw = p.read_bytes()
             except FileNotFoundError:
                 raise UsageError(f"--file '{file}' does not exist") from None
-        try:
-            content = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            content = raw.decode("latin-1")
-            typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
+        content = _decode(raw, file)
         # Lines end at \n or \r\n only: str.splitlines would also split a review at \x0c, \x1c-\x1e,
         # \x85 (an ellipsis in Windows-1252, read as Latin-1), U+2028 and U+2029.
         texts = content.split("\n")
@@ -269,6 +266,31 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
     if not texts:
         raise UsageError("no input: pass review TEXT arguments or --file PATH ('-' for stdin)")
     return texts
+
+
+# The byte-order marks of UTF-16 (PowerShell's `>` writes UTF-16 LE) and UTF-32, UTF-32 LE's first: it
+# starts with UTF-16 LE's.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+         (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def _decode(raw: bytes, file: str) -> str:
+    """The text of --file's bytes without a byte-order mark: a file that starts with a UTF-16 or UTF-32
+    one is read in that encoding, any other as UTF-8 (Notepad's mark dropped), else as Latin-1 with a
+    warning. A mark left in would be part of the first review, and UTF-16 read as Latin-1 is garbage."""
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            name = encoding[:6].upper()
+            try:
+                return raw[len(bom):].decode(encoding)
+            except UnicodeDecodeError as e:
+                raise UsageError(f"--file '{file}' starts with a {name} byte-order mark but is not {name} "
+                                 f"({e.reason} at byte {len(bom) + e.start}); save it as UTF-8") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
+        return raw.decode("latin-1")
 
 
 @app.command()
