@@ -391,13 +391,15 @@ def pseudo_label(
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     precision: InferPrecision = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists (never a file of the data "
+                                        "being labelled).")] = False,
 ) -> None:
     """Label unlabelled reviews with trained models, for self-training: `tfm train data.pseudo_labels=FILE`."""
     if output.suffix.lower() != ".jsonl":
         raise UsageError(f"--output '{output}': name a .jsonl file")
     from transformer_cli.pseudo import pseudo_label as run_pseudo_label  # imports torch
 
-    r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision)
+    r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision, force)
     counts = ", ".join(f"{n} {name}" for name, n in r["per_class"].items())
     typer.echo(f"wrote {output}: {r['reviews']} reviews ({counts}), median score {r['median_score']:.3f} "
                f"({r['seconds']:.0f} s)")
