@@ -1,3 +1,4 @@
+import codecs
 import json
 import os
 import subprocess
@@ -142,6 +143,33 @@ def test_predict_reads_latin1_with_a_warning(cli_run, tmp_path):
     assert "Très bien" in r.stdout
 
 
+@pytest.mark.parametrize(("bom", "encoding"), [
+    (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"),
+], ids=["utf-8-bom", "utf-16-le", "utf-16-be"])
+def test_predict_reads_a_file_with_a_byte_order_mark(cli_run, review_lines, tmp_path, bom, encoding):
+    """Notepad's UTF-8 with a mark and PowerShell's UTF-16 (`>`) give what the same reviews in plain UTF-8
+    give: the mark is no part of the first review, and UTF-16 is not read as Latin-1."""
+    content = "\r\n".join(["Très bien, great and wonderful", *review_lines[:4]]) + "\r\n"
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_bytes(content.encode("utf-8"))
+    marked.write_bytes(bom + content.encode(encoding))
+    for args in ([], ["--json"]):
+        expected = tfm("predict", "-c", cli_run, *args, "--file", plain)
+        r = tfm("predict", "-c", cli_run, *args, "--file", marked)
+        assert r.exit_code == 0 and r.stderr == "", r.stderr  # no Latin-1 warning
+        assert len(r.stdout.splitlines()) == 5
+        assert r.stdout == expected.stdout  # the same labels, probabilities (--json) and texts
+        if not args:
+            assert r.stdout.splitlines()[0].endswith("\tTrès bien, great and wonderful")
+
+
+def test_predict_refuses_a_file_that_is_not_the_utf_16_its_mark_says(cli_run, tmp_path):
+    path = tmp_path / "broken.txt"
+    path.write_bytes(codecs.BOM_UTF16_LE + "great film\n".encode("utf-16-le") + b"x")  # an odd number of bytes
+    assert_fails_cleanly(tfm("predict", "-c", cli_run, "--file", path), 2, f"--file '{path}'", "UTF-16 byte-order mark",
+                         "save it as UTF-8")
+
+
 def test_predict_splits_a_file_at_newlines_only(cli_run, tmp_path):
     # \x85 is an ellipsis in Windows-1252 (read as Latin-1: NEL), \x0c a form feed, \u2028 a line separator.
     path = tmp_path / "reviews.txt"
@@ -278,6 +306,35 @@ def test_predict_with_a_missing_checkpoint_fails_cleanly(tmp_path):
 def test_usage_errors_exit_2(cli_run, tmp_path, make_args, fragment):
     assert_fails_cleanly(tfm(*make_args(cli_run, tmp_path)), 2, fragment)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["explain", "-c", "{none}", "--html", "{dir}", "good"], "--html '{dir}' is a directory"),
+    (["explain", "-c", "{none}", "--html", "{file}/x.html", "good"],
+     "--html '{file}/x.html' cannot be created ('{file}' is a file, not a folder)"),
+    (["evaluate", "-c", "{none}", "--report", "{file}/sub"],
+     "--report '{file}/sub' cannot be created ('{file}' is a file, not a folder)"),
+    (["export", "-c", "{none}", "-o", "{file}/m.onnx"],
+     "--output '{file}/m.onnx' cannot be created ('{file}' is a file, not a folder)"),
+    (["export", "-c", "{none}", "-o", "{dir}.onnx"], "tokenizer file '{dir}.tokenizer.json' is a directory"),
+    (["pseudo-label", "-c", "{none}", "-o", "{dir}/p.jsonl"], "--output '{dir}/p.jsonl' is a directory"),
+    (["pseudo-label", "-c", "{none}", "-o", "{file}/p.jsonl"],
+     "--output '{file}/p.jsonl' cannot be created ('{file}' is a file, not a folder)"),
+    (["train", "-o", "{file}/run"], "output directory '{file}/run' cannot be created ('{file}' is a file"),
+], ids=["explain-dir", "explain-under-file", "report-under-file", "export-under-file", "export-tokenizer-dir",
+        "pseudo-dir", "pseudo-under-file", "train-under-file"])
+def test_an_output_path_that_cannot_be_written_is_refused_first(tmp_path, args, message):
+    """Before any work (the model, which does not exist here, is not even read): exit 2 and one line that
+    names the path as it was given, not a temporary file's name at the end of the work."""
+    paths = {"none": tmp_path / "none", "file": tmp_path / "afile", "dir": tmp_path / "adir"}
+    paths["file"].write_text("keep me")
+    paths["dir"].mkdir()
+    (tmp_path / "adir.tokenizer.json").mkdir()
+    (paths["dir"] / "p.jsonl").mkdir()
+    assert_fails_cleanly(tfm(*[a.format(**paths) for a in args]), 2, message.format(**paths))
+    assert paths["file"].read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "adir.tokenizer.json", "afile"]
+    assert [p.name for p in paths["dir"].iterdir()] == ["p.jsonl"]
 
 
 @pytest.mark.parametrize(("args", "used"), [

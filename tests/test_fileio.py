@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +26,27 @@ def test_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
         fileio.atomic_write_bytes(path, b"new")
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_check_output_path_names_the_path_as_given(tmp_path, monkeypatch):
+    from transformer_cli.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    Path("afile").write_text("x")
+    Path("adir").mkdir()
+    assert fileio.check_output_path("adir/new/page.html", "--html") == Path("adir/new/page.html")
+    assert fileio.check_output_path("adir", "--report", folder=True) == Path("adir")
+    with pytest.raises(UsageError, match=r"^--html 'afile/sub/x\.html' cannot be created \('afile' is a file, not a "
+                                         r"folder\); choose another --html$"):
+        fileio.check_output_path("afile/sub/x.html", "--html")
+    with pytest.raises(UsageError, match="^--report 'afile' is a file; pass a folder$"):
+        fileio.check_output_path("afile", "--report", folder=True, hint="pass a folder")
+    with pytest.raises(UsageError, match="^--html 'adir' is a directory"):
+        fileio.check_output_path("adir", "--html")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != Path("adir") and access(p, mode))  # as if chmod 555
+    with pytest.raises(UsageError, match=r"^--html 'adir/new/x\.html' cannot be written \('adir' is not writable\)"):
+        fileio.check_output_path("adir/new/x.html", "--html")
+    with pytest.raises(UsageError, match=r"'adir' cannot be written \('adir' is not writable\)"):
+        fileio.check_output_path("adir", "--report", folder=True)
+    assert sorted(os.listdir()) == ["adir", "afile"] and os.listdir("adir") == []

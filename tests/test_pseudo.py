@@ -1,6 +1,7 @@
 """Self-training: `tfm pseudo-label` and `tfm train data.pseudo_labels=FILE`."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,9 +90,48 @@ def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unl
     before = chunked.read_bytes()
     monkeypatch.setattr(pseudo, "predict_proba", fail)
     with pytest.raises(TfmError, match="stopped midway"):
-        pseudo.pseudo_label([trained_dir], chunked, source)
+        pseudo.pseudo_label([trained_dir], chunked, source, force=True)
     assert chunked.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked.jsonl", "whole.jsonl"]  # no temporary file left
+
+
+def test_an_existing_output_is_replaced_only_with_force(trained_dir, unlabelled, tmp_path):
+    source, texts = unlabelled
+    out = tmp_path / "pseudo.jsonl"
+    out.write_text("earlier pseudo-labels\n")
+    assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--data", source, "-o", out), 2,
+                         f"--output '{out}' already exists", "--force")
+    assert out.read_text() == "earlier pseudo-labels\n"
+    r = tfm("pseudo-label", "-c", trained_dir, "--data", source, "-o", out, "--force")
+    assert r.exit_code == 0, r.stderr
+    assert [row["text"] for row in read_jsonl(out)] == texts
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pseudo.jsonl"]  # written in place, no temporary file
+
+
+@pytest.mark.parametrize("layout", ["file", "named", "folder", "link"])
+def test_the_data_being_labelled_is_never_overwritten(trained_dir, tmp_path, monkeypatch, layout):
+    """Not even with --force, whatever the output's spelling, and before the split is read: the file
+    holds gold labels (`--data unl.jsonl --split train -o unl.jsonl` replaced them with pseudo-labels)."""
+    from transformer_cli import pseudo
+
+    rows = [{"text": "a good film", "label": 1}, {"text": "a dull film", "label": 0}]
+    monkeypatch.chdir(tmp_path)
+    Path("data").mkdir()
+    data = write_jsonl(Path("data/train.jsonl"), rows)
+    before = data.read_bytes()
+    source, output = {
+        "file": (str(data), "data/../data/train.jsonl"),
+        "named": (f"train={data}", str(data.absolute())),
+        "folder": ("data", str(data)),
+        "link": (str(data), "link.jsonl"),
+    }[layout]
+    if layout == "link":
+        Path("link.jsonl").symlink_to(data.absolute())
+    monkeypatch.setattr(pseudo, "split_table", lambda *a: pytest.fail("the split was read"))
+    for force in ([], ["--force"]):
+        assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--data", source, "--split", "train", "-o", output,
+                                 *force), 2, f"--output '{output}' is a file of the data being labelled")
+    assert data.read_bytes() == before
 
 
 def pseudo_cfg(data_dir, path, **kw) -> DataConfig:

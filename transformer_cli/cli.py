@@ -4,6 +4,7 @@ imported only inside commands."""
 
 from __future__ import annotations
 
+import codecs
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ from typer.core import TyperGroup
 from transformer_cli import __version__
 from transformer_cli.config import TrainConfig, load_config, parse_overrides
 from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.fileio import check_output_path
 
 
 class _Tfm(TyperGroup):
@@ -248,11 +250,7 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
                 raw = p.read_bytes()
             except FileNotFoundError:
                 raise UsageError(f"--file '{file}' does not exist") from None
-        try:
-            content = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            content = raw.decode("latin-1")
-            typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
+        content = _decode(raw, file)
         # Lines end at \n or \r\n only: str.splitlines would also split a review at \x0c, \x1c-\x1e,
         # \x85 (an ellipsis in Windows-1252, read as Latin-1), U+2028 and U+2029.
         texts = content.split("\n")
@@ -268,6 +266,31 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
     if not texts:
         raise UsageError("no input: pass review TEXT arguments or --file PATH ('-' for stdin)")
     return texts
+
+
+# The byte-order marks of UTF-16 (PowerShell's `>` writes UTF-16 LE) and UTF-32, UTF-32 LE's first: it
+# starts with UTF-16 LE's.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF16_LE, "utf-16-le"),
+         (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def _decode(raw: bytes, file: str) -> str:
+    """The text of --file's bytes without a byte-order mark: a file that starts with a UTF-16 or UTF-32
+    one is read in that encoding, any other as UTF-8 (Notepad's mark dropped), else as Latin-1 with a
+    warning. A mark left in would be part of the first review, and UTF-16 read as Latin-1 is garbage."""
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            name = encoding[:6].upper()
+            try:
+                return raw[len(bom):].decode(encoding)
+            except UnicodeDecodeError as e:
+                raise UsageError(f"--file '{file}' starts with a {name} byte-order mark but is not {name} "
+                                 f"({e.reason} at byte {len(bom) + e.start}); save it as UTF-8") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        typer.echo(f"tfm: warning: '{file}' is not UTF-8; read it as Latin-1", err=True)
+        return raw.decode("latin-1")
 
 
 @app.command()
@@ -368,13 +391,15 @@ def pseudo_label(
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     precision: InferPrecision = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace FILE if it exists (never a file of the data "
+                                        "being labelled).")] = False,
 ) -> None:
     """Label unlabelled reviews with trained models, for self-training: `tfm train data.pseudo_labels=FILE`."""
     if output.suffix.lower() != ".jsonl":
         raise UsageError(f"--output '{output}': name a .jsonl file")
     from transformer_cli.pseudo import pseudo_label as run_pseudo_label  # imports torch
 
-    r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision)
+    r = run_pseudo_label(checkpoints, output, data, split, max_samples, device, batch_size, precision, force)
     counts = ", ".join(f"{n} {name}" for name, n in r["per_class"].items())
     typer.echo(f"wrote {output}: {r['reviews']} reviews ({counts}), median score {r['median_score']:.3f} "
                f"({r['seconds']:.0f} s)")
@@ -452,6 +477,7 @@ def explain_reviews(
     ig_steps: IgSteps = None,
 ) -> None:
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
+    check_output_path(html, "--html", hint="pass a file name for the page")  # before the explanations' minutes
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 

@@ -194,6 +194,24 @@ def open_text_source(source: str):
                      ".txt/.csv/.jsonl/.parquet file(s)")
 
 
+def source_files(source: str) -> list[Path]:
+    """The files on this machine that open_text_source reads for `source`: its named files, or the data
+    files of a Hub-layout folder (every file in it if `datasets` cannot tell); none for a Hub id."""
+    files = named_files(source)
+    if files is not None:
+        return [Path(f) for f in files.values()]
+    if not Path(source).is_dir():
+        return []
+    import datasets
+
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        found = datasets.load_dataset_builder(source).config.data_files or {}
+    except Exception:  # noqa: BLE001 (open_text_source says what is wrong with the folder)
+        return [p for p in Path(source).rglob("*") if p.is_file()]
+    return [Path(f) for split_files in found.values() for f in split_files]
+
+
 def text_chunks(tables: list, column: str, size: int, limit: int | None = None) -> Iterator[list[str]]:
     """The first `limit` (default: all) texts of `tables`, in order, `size` at a time: only one chunk is
     in memory at once."""

@@ -32,7 +32,7 @@ from transformer_cli import __version__
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan, load_model_dir
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, check_output_path
 from transformer_cli.model import CTransformer
 
 INPUTS, OUTPUT = ("ids", "mask"), "logits"
@@ -46,15 +46,15 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     output = Path(output)
     if output.suffix != ".onnx":
         raise UsageError(f"--output '{output}' must name a .onnx file")
-    if output.is_dir():
-        raise UsageError(f"--output '{output}' is a directory; pass a file name ending in .onnx")
+    tokenizer_file = output.with_name(output.stem + ".tokenizer.json")
+    check_output_path(output, "--output", hint="pass a file name ending in .onnx")
+    check_output_path(tokenizer_file, "tokenizer file", hint="choose another --output")  # written beside it
     _require("tfm export", "onnx", "onnxscript", "onnxruntime")
     import onnx
 
     model, cfg, tokenizer, labels, temperature = load_model_dir(model_dir)
     model = Calibrated(model, temperature)
     proto = onnx.load_from_string(_trace(Calibrated(reference_model(model.model), temperature), cfg.data.max_length))
-    tokenizer_file = output.with_name(output.stem + ".tokenizer.json")
     d = cfg.data
     meta = {"labels": json.dumps(labels), "max_length": d.max_length, "truncation": d.truncation,
             "head_fraction": d.head_fraction, "tokenizer": tokenizer_file.name, "cls_id": CLS_ID, "pad_id": PAD_ID,

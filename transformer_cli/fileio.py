@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from transformer_cli.errors import TfmError
+from transformer_cli.errors import TfmError, UsageError
 
 TEMP_FILE = re.compile(r"\..+\.tmp-[0-9]+")  # the names atomic_write_bytes writes to: .NAME.tmp-PID
 
@@ -30,6 +30,25 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def check_output_path(path: str | Path, name: str, folder: bool = False, hint: str | None = None) -> Path:
+    """`path` if a command can write it, else a UsageError naming it as given (`name`: the option, e.g.
+    '--html'; `hint`: what to do, default 'choose another NAME'): checked before the work, which would
+    otherwise fail only at its end. A file's path must not be a folder, a folder's not a file, no folder
+    above it a file, and the nearest existing folder (the file's own place, for a file) must be writable."""
+    path = Path(path)
+    hint = hint or f"choose another {name}"
+    if folder and path.exists() and not path.is_dir():
+        raise UsageError(f"{name} '{path}' is a file; {hint}")
+    if not folder and path.is_dir():
+        raise UsageError(f"{name} '{path}' is a directory; {hint}")
+    existing = next((p for p in ((path,) if folder else ()) + tuple(path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UsageError(f"{name} '{path}' cannot be created ('{existing}' is a file, not a folder); {hint}")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{name} '{path}' cannot be written ('{existing}' is not writable); {hint}")
+    return path
 
 
 @contextlib.contextmanager

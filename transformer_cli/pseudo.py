@@ -15,15 +15,16 @@ larger than memory can be labelled.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from transformer_cli.data import open_text_source, sample_indices, text_chunks
+from transformer_cli.data import open_text_source, sample_indices, source_files, text_chunks
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
-from transformer_cli.fileio import atomic_writer
+from transformer_cli.fileio import atomic_writer, check_output_path
 
 UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
@@ -56,28 +57,42 @@ def split_table(source: str, split: str, column: str, max_samples: int | None = 
     return table
 
 
+def check_output(output: Path, source: str, force: bool) -> None:
+    """Refuse (exit 2) to write over the data being labelled, even with `force` (the gold labels of its
+    other splits would go too), and over any other existing file without `force`."""
+    if not output.exists():
+        return
+    for f in source_files(source):
+        if f.exists() and os.path.samefile(output, f):
+            raise UsageError(f"--output '{output}' is a file of the data being labelled ('{source}'); write the "
+                             "pseudo-labels to another file")
+    if not force:
+        raise UsageError(f"--output '{output}' already exists; pass --force to replace it, or choose another --output")
+
+
 def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, split: str = UNLABELLED_SPLIT,
                  max_samples: int | None = None, device: str = "auto", batch_size: int = 64,
-                 precision: str | None = None) -> dict:
+                 precision: str | None = None, force: bool = False) -> dict:
     """Write `output` (JSON lines: text, label, score) with the teachers' averaged calibrated
     probabilities on `split` of `data` (default: the first teacher's dataset), CHUNK_TEXTS reviews at a
-    time; the file appears whole when every review is labelled. Returns a summary: reviews, per-class
+    time; the file appears whole when every review is labelled. An existing `output` is replaced only
+    with `force`, and never when it is one of the data's files. Returns a summary: reviews, per-class
     counts, median score, seconds."""
     if not teachers:
         raise UsageError("pass at least one teacher with -c DIR (the output directory of `tfm train`)")
     if split == "test":
         raise UsageError("--split test: the test split is kept for the final report; label unlabelled reviews "
                          "(e.g. IMDB's 'unsupervised')")
-    if output.is_dir():
-        raise UsageError(f"--output '{output}' is a directory; pass a .jsonl file to write")
+    check_output_path(output, "--output")
     loaded = [load_for_inference(t, device, precision) for t in teachers]  # every teacher checked before the work
     labels = loaded[0].labels
     for t, other in zip(teachers[1:], (m.labels for m in loaded[1:])):
         if other != labels:
             raise TfmError(f"teacher '{t}' has classes {', '.join(other)}, but '{teachers[0]}' has "
                            f"{', '.join(labels)}; teachers must share their classes")
-    column = loaded[0].cfg.data.text_column
-    table = split_table(data or loaded[0].cfg.data.source, split, column, max_samples)
+    column, source = loaded[0].cfg.data.text_column, data or loaded[0].cfg.data.source
+    check_output(output, source, force)  # before the split is read
+    table = split_table(source, split, column, max_samples)
     t0 = time.perf_counter()
     scores, counts = [], np.zeros(len(labels), dtype=np.int64)
     with atomic_writer(output) as f:

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from transformer_cli.calibration import BINS, expected_calibration_error, reliability
-from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text
+from transformer_cli.errors import TfmError
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, check_output_path
 
 REPORT_FILE = "report.html"
 PICTURES = {  # file -> caption, in the report's order
@@ -36,9 +36,7 @@ def have_matplotlib() -> bool:
 
 def check_report_dir(path: str | Path) -> Path:
     """`path` usable as the report's folder, and matplotlib there: checked before the evaluation runs."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--report '{path}' is a file; pass a folder for the report's pictures")
+    path = check_output_path(path, "--report", folder=True, hint="pass a folder for the report's pictures")
     if not have_matplotlib():
         raise TfmError(f"--report {NEEDS_VIZ}")
     return path

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import os
 import random
 import re
 import signal
@@ -34,7 +33,14 @@ from transformer_cli.config import Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import all_logits, evaluate_scaled
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, read_json, remove_stale_temp_files, write_json
+from transformer_cli.fileio import (
+    atomic_write_bytes,
+    atomic_write_text,
+    check_output_path,
+    read_json,
+    remove_stale_temp_files,
+    write_json,
+)
 from transformer_cli.model import CTransformer
 from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
@@ -610,12 +616,7 @@ def save_checkpoint(run: Run) -> Path | None:
 
 
 def check_output_dir(out: Path, resume: bool | str) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output directory '{out}' is a file; choose another --output-dir")
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"output directory '{out}' cannot be written ('{existing}' is not writable); "
-                         "choose another --output-dir")
+    check_output_path(out, "output directory", folder=True, hint="choose another --output-dir")
     if resume is True:
         return
     # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
