@@ -97,9 +97,10 @@ def test_output_directory_holds_exactly_the_documented_files(trained_dir):
     # Every checkpoint_every (20) steps and at each epoch's end (23, 46): all kept (keep_checkpoints=100).
     steps = sorted(p.name for p in (trained_dir / ckpt.CKPT_DIR).iterdir())
     assert steps == ["step-00000020", "step-00000023", "step-00000040", "step-00000046"]
-    for step in steps:
+    for step in steps:  # the best model from the first validation on (the end of epoch 1, step 23)
         files = sorted(p.name for p in (trained_dir / ckpt.CKPT_DIR / step).iterdir())
-        assert files == sorted([ckpt.COMPLETE, ckpt.MODEL_FILE, "state.pt", "trainer.json"]), step
+        best = [ckpt.BEST_FILE] if step >= "step-00000023" else []
+        assert files == sorted([ckpt.COMPLETE, ckpt.MODEL_FILE, "state.pt", "trainer.json", *best]), step
 
 
 def test_metrics_file_matches_the_returned_metrics(trained_run, tiny_cfg):
@@ -153,24 +154,31 @@ def test_training_into_an_existing_run_is_refused(trained_dir, synthetic_data_di
     assert {p.name: p.stat().st_mtime_ns for p in trained_dir.iterdir()} == before
 
 
-def test_a_run_that_died_before_its_first_checkpoint_can_be_restarted(tiny_cfg, monkeypatch):
-    """A crash after setup (kill -9, out of memory) leaves config.json, tokenizer.json and events but
-    no checkpoint. One of the two commands the error messages offer must then work."""
+def test_a_run_that_died_before_its_first_checkpoint_starts_again_in_its_folder(synthetic_data_dir, tmp_path,
+                                                                                   monkeypatch):
+    """A crash (kill -9, out of memory) after a validation saved a model but before the first checkpoint
+    leaves config.json, tokenizer.json, events and model.safetensors: no run that --resume could
+    continue. A fresh start in the folder replaces them; the dead run's curves do not mix in."""
+    real = train_mod.lr_at
 
-    def crash(*args, **kwargs):
-        raise RuntimeError("killed")
+    def crash_at_step_7(step, *args):
+        if step == 7:
+            raise RuntimeError("killed")
+        return real(step, *args)
 
-    monkeypatch.setattr(train_mod, "fit", crash)
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "run", train__eval_every=5, train__checkpoint_every=100)
+    monkeypatch.setattr(train_mod, "lr_at", crash_at_step_7)
     with pytest.raises(RuntimeError, match="killed"):
-        train(tiny_cfg, progress=False)
+        train(cfg, progress=False)
     monkeypatch.undo()
-    out = Path(tiny_cfg.train.output_dir)
-    assert (out / ckpt.CONFIG_FILE).exists() and ckpt.checkpoint_dirs(out) == []
-    try:
-        metrics = train(tiny_cfg, progress=False)
-    except UsageError:  # "already holds a run; pass --resume"
-        metrics = train(tiny_cfg, resume=True, progress=False)
-    assert metrics["steps"] == steps_per_epoch(tiny_cfg) * tiny_cfg.train.epochs
+    out = Path(cfg.train.output_dir)
+    assert (out / ckpt.MODEL_FILE).exists() and ckpt.checkpoint_dirs(out) == []
+    with pytest.raises(UsageError, match="no complete checkpoint"):
+        train(cfg, resume=True, progress=False)
+    metrics = train(cfg, progress=False)
+    assert metrics["steps"] == steps_per_epoch(cfg) * cfg.train.epochs
+    steps = [s for s, _ in read_scalars(out)["train/lr"]]
+    assert steps == sorted(set(steps)) and steps[0] > 0  # one run's curve: no step twice
 
 
 @pytest.mark.parametrize("max_steps", [20, 46], ids=["mid-epoch", "epoch-ends"])  # 23 steps an epoch
@@ -491,6 +499,36 @@ def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_r
                     progress=False)
     assert resumed["steps"] == source_metrics["steps"]
     assert (fresh / ckpt.TOKENIZER_FILE).read_text() == (source / ckpt.TOKENIZER_FILE).read_text()
+
+
+def test_a_run_branched_into_a_new_folder_keeps_the_checkpoints_best_model(synthetic_data_dir, tmp_path):
+    """The best model is part of a checkpoint: resumed into a new folder (or back to an earlier step),
+    model.safetensors is the best as of that checkpoint, even if no later validation beats it."""
+    kw = {"train__epochs": 4, "train__eval_every": 4, "train__checkpoint_every": 4,
+          "train__select_metric": "loss", "train__keep_checkpoints": 100}
+    source = tmp_path / "source"
+    m = train(tiny_config(synthetic_data_dir, source, **kw), progress=False)
+    best = source / ckpt.CKPT_DIR / f"step-{m['best_step']:08d}"
+    assert (best / ckpt.BEST_FILE).read_bytes() == (source / ckpt.MODEL_FILE).read_bytes()
+    branch = tmp_path / "branch"
+    resumed = train(tiny_config(synthetic_data_dir, branch, **kw), resume=str(best), progress=False)
+    assert resumed["best_step"] == m["best_step"]
+    assert (branch / ckpt.MODEL_FILE).read_bytes() == (source / ckpt.MODEL_FILE).read_bytes()
+
+
+def test_resuming_from_an_earlier_checkpoint_abandons_the_later_ones(synthetic_data_dir, tmp_path):
+    """Back to step 8 of a 20-step run, in its own folder: its model becomes step 8's best again, and the
+    first new checkpoint removes the later ones, so that --resume continues the new run, not the old."""
+    kw = {"train__max_steps": 20, "train__eval_every": 4, "train__checkpoint_every": 4, "train__keep_checkpoints": 100}
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, **kw), progress=False)
+    step8 = out / ckpt.CKPT_DIR / "step-00000008"
+    best8 = (step8 / ckpt.BEST_FILE).read_bytes()
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=8), resume=str(step8), force=True, progress=False)
+    assert (out / ckpt.MODEL_FILE).read_bytes() == best8
+    train(tiny_config(synthetic_data_dir, out, **{**kw, "train__max_steps": 10, "train__lr": 1e-3}),
+          resume=str(step8), force=True, progress=False)
+    assert [p.name for p in ckpt.checkpoint_dirs(out)][-1] == "step-00000010"
 
 
 def test_a_resumed_runs_event_file_sorts_after_one_from_the_same_second(tmp_path):

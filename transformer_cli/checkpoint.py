@@ -32,6 +32,7 @@ from transformer_cli.fileio import (
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
 CKPT_DIR, COMPLETE = "checkpoints", "COMPLETE"
+BEST_FILE = "best.safetensors"  # in a checkpoint: the output's model (the best so far) when it was written
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -96,8 +97,11 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_state: dict, keep: int) -> Path:
-    """Write checkpoints/step-N atomically (temp folder, fsync, marker, rename); prune to `keep`."""
+def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_state: dict, keep: int,
+                    best: Path | None = None) -> Path:
+    """Write checkpoints/step-N atomically (temp folder, fsync, marker, rename), with the file `best`
+    (the best model so far) as BEST_FILE; remove checkpoints of later steps (a run resumed from an
+    earlier one has left their trajectory), then prune to `keep`."""
     root = Path(out) / CKPT_DIR
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp-{os.getpid()}"
@@ -108,6 +112,11 @@ def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_stat
         buf = io.BytesIO()
         torch.save(tensors_state, buf)
         atomic_write_bytes(tmp / "state.pt", buf.getvalue())
+        if best is not None and Path(best).is_file():
+            try:  # a hard link: the model file is replaced, never rewritten in place, so the link keeps it
+                os.link(best, tmp / BEST_FILE)
+            except OSError:
+                atomic_write_bytes(tmp / BEST_FILE, Path(best).read_bytes())
         write_json(tmp / "trainer.json", train_state)
         atomic_write_text(tmp / COMPLETE, f"{step}\n")
         if final.exists():
@@ -117,6 +126,8 @@ def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_stat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for later in [p for p in checkpoint_dirs(out) if p.name > final.name]:
+        _remove(later)
     for old in checkpoint_dirs(out)[:-keep]:
         _remove(old)
     for stale in root.glob(".step-*"):  # temp and half-removed folders of killed runs

@@ -206,6 +206,8 @@ def _rng_state() -> tuple[dict, dict]:
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():  # dropout on an Apple GPU draws from its own generator
+        tensors["mps"] = torch.mps.get_rng_state()
     return json_part, tensors
 
 
@@ -224,6 +226,8 @@ def _set_rng_state(json_part: dict, tensors: dict) -> None:
     torch.set_rng_state(tensors["torch"])
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(tensors["cuda"])
+    if "mps" in tensors and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(tensors["mps"])
 
 
 # --------------------------------------------------------------------------- tasks
@@ -607,7 +611,9 @@ def save_checkpoint(run: Run) -> Path | None:
         tensors = {"optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(), "rng": tensor_rngs}
         if run.ema is not None:
             tensors["ema"] = run.ema.shadow
-        path = ckpt.save_checkpoint(run.out, run.state.step, run.model, train_json, tensors, run.cfg.train.keep_checkpoints)
+        best = run.out / ckpt.MODEL_FILE if run.state.best_step >= 0 else None
+        path = ckpt.save_checkpoint(run.out, run.state.step, run.model, train_json, tensors,
+                                    run.cfg.train.keep_checkpoints, best)
     run.rt.barrier()
     return path
 
@@ -619,9 +625,10 @@ def check_output_dir(out: Path, resume: bool | str) -> None:
     check_output_path(out, "output directory", folder=True, hint="choose another --output-dir")
     if resume is True:
         return
-    # config.json + tokenizer.json alone are what a run writes before its first checkpoint or model:
-    # a run that died then has nothing to lose, so it may be started again in the same folder.
-    if ckpt.checkpoint_dirs(out) or (out / ckpt.MODEL_FILE).exists() or (out / ckpt.METRICS_FILE).exists():
+    # Without a checkpoint or metrics.json, a folder holds what a run writes before its first checkpoint
+    # (config.json, tokenizer.json, events, maybe a model from a validation): a run that died then
+    # cannot be resumed, so it may be started again in the same folder, which replaces those files.
+    if ckpt.checkpoint_dirs(out) or (out / ckpt.METRICS_FILE).exists():
         if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
             return  # --resume-from one of this folder's own checkpoints
         raise UsageError(
@@ -719,6 +726,13 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
         except OSError as e:
             raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir")
         remove_stale_temp_files(out)  # checkpoints/.step-* leftovers go with the next checkpoint
+        if resume_dir is None:  # a run that died before its first checkpoint left these; they are not this run's
+            (out / ckpt.MODEL_FILE).unlink(missing_ok=True)
+            for events in out.glob("events.out.tfevents.*"):
+                events.unlink()
+        elif state.best_step >= 0 and (resume_dir / ckpt.BEST_FILE).is_file():
+            # the best model as of the checkpoint, not whatever a later (or another) run saved since
+            atomic_write_bytes(out / ckpt.MODEL_FILE, (resume_dir / ckpt.BEST_FILE).read_bytes())
         for name, text in files.items():
             atomic_write_text(out / name, text)
     engine: torch.nn.Module = model
