@@ -11,18 +11,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_examples, read_scalars, tiny_config
+from conftest import CONFIGS, make_examples, read_scalars, tiny_config
 from safetensors.torch import load_file, save_file
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import ModelConfig, PretrainConfig
+from transformer_cli.config import ModelConfig, PretrainConfig, load_config
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.model import Electra, MaskedLM
 from transformer_cli.pretrain import (
+    CLASSIFIER_ONLY,
     MASK_ID,
     Corpus,
     MaskedLanguageModelling,
+    check_classifier_only,
     cut_windows,
     load_token_file,
     mask_tokens,
@@ -264,13 +266,49 @@ def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path)
         pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
 
 
-@pytest.mark.parametrize("setting", [{"model__lazy_embeddings": True}, {"train__label_smoothing": 0.1},
-                                     {"train__adversarial_eps": 0.01}, {"train__virtual_adversarial_eps": 0.01}])
-def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, setting):
-    (key,) = setting
-    with pytest.raises(UsageError, match=key.replace("__", ".")):
-        pretrain(pretrain_config(synthetic_data_dir, tmp_path / "run", **setting), progress=False)
+# A value other than the default for each setting only classifier training reads.
+CLASSIFIER_VALUES = {
+    "model.ngram_buckets": 1000, "model.ngram_order": 2, "model.ngram_lr_scale": 10.0, "model.ngram_binary": False,
+    "model.ngram_own_loss": False, "model.lazy_embeddings": True, "data.label_column": "stars", "data.val_split": "",
+    "data.val_size": 0.2, "data.val_block": 5, "data.max_eval_samples": 5, "data.pseudo_labels": "nonexistent.jsonl",
+    "data.pseudo_min_score": 0.9, "train.label_smoothing": 0.1, "train.adversarial_eps": 0.01,
+    "train.virtual_adversarial_eps": 0.01, "train.test_at_end": True, "train.calibrate": False,
+    "train.init_from": "runs/pretrain",
+}
+
+
+def test_every_setting_that_only_classifier_training_reads_is_listed():
+    assert set(CLASSIFIER_VALUES) == set(CLASSIFIER_ONLY)
+
+
+@pytest.mark.parametrize("key", sorted(CLASSIFIER_VALUES))
+def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, key):
+    section, name = key.split(".")
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run").replace(**{section: {name: CLASSIFIER_VALUES[key]}})
+    with pytest.raises(UsageError, match=rf"^{key} = .*`tfm pretrain` does not use it") as info:
+        pretrain(cfg, progress=False)
+    assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synthetic_data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    result = CliRunner().invoke(app, ["pretrain", "--config", str(CONFIGS / "tiny.toml"), "--data",
+                                      str(synthetic_data_dir), "-o", str(tmp_path / "run"), "train.test_at_end=true",
+                                      "data.pseudo_labels=nonexistent.jsonl", "data.max_eval_samples=5",
+                                      "model.ngram_buckets=1000"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("tfm: error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert "`tfm pretrain` does not use it" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml"])
+def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
+    check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too
 
 
 def test_a_missing_split_is_one_clear_error(synthetic_data_dir, tmp_path):

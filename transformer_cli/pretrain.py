@@ -59,6 +59,25 @@ MASK_ID = SPECIAL_TOKENS.index("[MASK]")
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
 CORPUS_VERSION = 1  # in the token file's cache key
 PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be here (None: the loss)
+_NGRAM = "the classifier's n-gram path"
+_HELD_OUT = "the classifier's validation data; pretraining holds out pretrain.val_texts texts"
+_LOSS = "it shapes the classifier's loss"
+# The settings only `tfm train` reads, with what they are for; `tfm pretrain` refuses any of them that differs from
+# its default. model.pooling and model.token_dropout are classifier-only too, but left free: recipes shared by both
+# commands (configs/tiny.toml) and the pretraining recipes set them.
+CLASSIFIER_ONLY = {
+    "model.ngram_buckets": _NGRAM, "model.ngram_order": _NGRAM, "model.ngram_lr_scale": _NGRAM,
+    "model.ngram_binary": _NGRAM, "model.ngram_own_loss": _NGRAM,
+    "model.lazy_embeddings": "sparse embedding updates; the masked-LM head reads the whole embedding table",
+    "data.label_column": "the labels, which pretraining never reads",
+    "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT, "data.val_block": _HELD_OUT,
+    "data.max_eval_samples": "the classifier's validation and test sets",
+    "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
+    "train.label_smoothing": _LOSS, "train.adversarial_eps": _LOSS, "train.virtual_adversarial_eps": _LOSS,
+    "train.test_at_end": "the test split, which pretraining never reads",
+    "train.calibrate": "the classifier's probabilities",
+    "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
+}
 
 
 # --------------------------------------------------------------------------- text
@@ -289,15 +308,20 @@ class MaskedLanguageModelling:
 # --------------------------------------------------------------------------- the command
 
 
+def check_classifier_only(cfg: Config) -> None:
+    """Refuse a CLASSIFIER_ONLY setting that differs from its default, rather than ignore it."""
+    defaults = Config().to_dict()
+    for key, why in CLASSIFIER_ONLY.items():
+        section, name = key.split(".")
+        value, default = getattr(getattr(cfg, section), name), defaults[section][name]
+        if value != default:
+            then = "leave it unset" if default is None else f"leave it at its default, {default!r}"
+            raise UsageError(f"{key} = {value!r} is for `tfm train` ({why}); `tfm pretrain` does not use it: {then}")
+
+
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
     tc = cfg.train
-    if tc.init_from:
-        raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
-    if cfg.model.lazy_embeddings:
-        raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
-    for name in ("label_smoothing", "adversarial_eps", "virtual_adversarial_eps"):
-        if getattr(tc, name):
-            raise UsageError(f"train.{name} shapes the classifier's loss (`tfm train`); `tfm pretrain` does not use it")
+    check_classifier_only(cfg)
     if tc.select_metric not in PRETRAIN_METRICS:
         raise UsageError(f"train.select_metric = {tc.select_metric!r}: `tfm pretrain` measures the masked-LM loss and "
                          "accuracy only; use \"loss\" (its default) or \"accuracy\"")
