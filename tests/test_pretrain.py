@@ -266,6 +266,34 @@ def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path)
         pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
 
 
+def test_blank_lines_of_a_text_file_are_no_texts(tmp_path):
+    """They are skipped: neither held out, nor counted by --max-train-samples, nor trained on."""
+    lines = [r["text"] for r in make_examples(120, seed=5)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"{line}\n\n  \t\n" for line in lines), encoding="utf-8")
+    corpus = prepare_corpus(pretrain_config(path, tmp_path / "run"))
+    assert len(corpus.texts) == len(lines) and len(corpus.train_idx) == len(lines) - 40
+    cfg = pretrain_config(path, tmp_path / "run", data__max_train_samples=60)
+    corpus = prepare_corpus(cfg)
+    ids, offsets = encode_texts(corpus.tokenizer, lines[:60], cfg.data.max_length, cfg.data.truncation,
+                                cfg.data.head_fraction)
+    assert np.array_equal(corpus.texts.offsets, offsets) and np.array_equal(np.asarray(corpus.texts.ids), ids)
+
+
+@pytest.mark.parametrize("corpus", ["blank lines", "whitespace texts"])
+def test_a_corpus_without_words_is_one_clear_error(tmp_path, corpus):
+    if corpus == "blank lines":
+        path, expected = tmp_path / "blank.txt", "only blank lines"
+        path.write_text("\n  \n\t\n" * 40, encoding="utf-8")
+    else:  # texts of a JSON lines file are kept as they are, blank or not
+        path, expected = tmp_path / "blank.jsonl", "no words"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [" ", "\t", "  \n "] * 40), encoding="utf-8")
+    with pytest.raises(TfmError, match=expected) as info:
+        pretrain(pretrain_config(path, tmp_path / "run"), progress=False)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
 # A value other than the default for each setting only classifier training reads.
 CLASSIFIER_VALUES = {
     "model.ngram_buckets": 1000, "model.ngram_order": 2, "model.ngram_lr_scale": 10.0, "model.ngram_binary": False,

@@ -102,6 +102,11 @@ def text_splits(cfg: Config) -> list:
     return [ds[split].select_columns([column]) for split in wanted]
 
 
+def is_lines(table) -> bool:
+    """Whether a split was read from .txt files (`datasets`' text builder): one text per line."""
+    return getattr(table.info, "builder_name", None) == "text"
+
+
 # --------------------------------------------------------------------------- the corpus
 
 
@@ -118,9 +123,10 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     cached in the cache folder under a key of the text, the tokenizer and the encoding settings."""
     d, pc = cfg.data, cfg.pretrain
     tables = text_splits(cfg)
+    lines = any(is_lines(t) for t in tables)  # a .txt file's blank lines separate texts: they are none
 
     def chunks() -> Iterator[list[str]]:  # a new pass over the text
-        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples)
+        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples, skip_blank=lines)
 
     class Texts:  # every text, from the start on each iter(): the tokenizer trainer reads them twice
         def __iter__(self) -> Iterator[str]:
@@ -133,11 +139,16 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
             h.update(t.encode("utf-8", "surrogatepass"))
             h.update(b"\0")
         n += len(texts)
+    if n == 0 and lines:
+        raise TfmError(f"'{d.source}' has no text, only blank lines; pretrain on a file of texts, one per line")
     if n <= pc.val_texts:
         raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
     fingerprint = h.hexdigest()
     if tokenizer is None:
         tokenizer = cached_tokenizer(Texts(), n, d, fingerprint)
+    if tokenizer.get_vocab_size() <= FIRST_WORD_ID:  # masking draws its random words from the others
+        raise TfmError(f"'{d.source}' has no words: its texts gave a vocabulary of the special tokens alone "
+                       f"({', '.join(SPECIAL_TOKENS)}); pretrain on a corpus of text")
     folder = cache_dir(d.cache_dir)
     key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
