@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -516,3 +517,55 @@ def test_a_bad_init_from_directory_is_one_clear_error(pretrained, synthetic_data
         attempt()
     assert type(info.value) is expected and "\n" not in str(info.value)
     assert not (tmp_path / "ft" / ckpt.MODEL_FILE).exists()
+
+
+# --------------------------------------------------------------------------- where a classifier is expected
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["predict", "a fine film"], ["inspect"],
+                                     ["explain", "a fine film", "--html", "page.html"],
+                                     ["pseudo-label", "-o", "labels.jsonl", "--split", "train"]], ids=lambda c: c[0])
+def test_a_pretraining_output_given_for_a_classifier_says_what_it_is(pretrained, tmp_path, monkeypatch, command):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    out, _ = pretrained
+    if command[0] == "inspect":
+        pytest.importorskip("torchinfo")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, [*command, "-c", str(out)])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (f"tfm: error: '{out}' holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
+                    f"fine-tune a classifier from it with `tfm train --init-from {out}`")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pretraining_that_saved_no_model_yet_is_no_classifier_either(pretrained, tmp_path):
+    import shutil
+
+    from transformer_cli.evaluate import load_model_dir
+
+    early = Path(shutil.copytree(pretrained[0], tmp_path / "early", ignore=shutil.ignore_patterns("*.safetensors")))
+    with pytest.raises(UsageError, match="holds a pretrained encoder written by `tfm pretrain`, not a classifier"):
+        load_model_dir(early)
+
+
+@pytest.mark.parametrize("how", ["--resume", "--resume-from"])
+def test_resuming_a_pretraining_as_a_classifier_names_the_cause(pretrained, synthetic_data_dir, tmp_path, how):
+    import shutil
+
+    run = Path(shutil.copytree(pretrained[0], tmp_path / "pre"))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    if how == "--resume":
+        cfg, resume = pretrain_config(synthetic_data_dir, run), True
+    else:
+        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "ft"), str(ckpt.checkpoint_dirs(run)[-1])
+    for force in (False, True):
+        with pytest.raises(UsageError, match=r"holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
+                           rf"fine-tune a classifier from it with `tfm train --init-from {re.escape(str(run))}` and another "
+                           r"--output-dir; `tfm pretrain --resume` continues the pretraining"):
+            train(cfg, resume=resume, force=force, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    assert not (tmp_path / "ft").exists()

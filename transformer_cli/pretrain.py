@@ -342,7 +342,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = pretraining_model(cfg, vocab_size)
     task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size, tc.select_metric or "loss")
-    files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind="pretrained encoder",
+    files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
