@@ -47,7 +47,7 @@ from pathlib import Path
 
 import tomllib
 
-from transformer_cli.config import ENCODER_FIELDS
+from transformer_cli.config import CLASSIFIER_ONLY, ENCODER_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "seed")
@@ -105,6 +105,7 @@ def trained(cmd: list[str], out: Path) -> None:
 
 def pretrained_encoder(data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
     out = out_root / "pretrain"
+    extra = [e for e in extra if e.split("=", 1)[0] not in CLASSIFIER_ONLY]  # `tfm pretrain` refuses those
     trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / PAIRS[pair][0]), "--data", data, "-o", str(out),
              *extra], out)
     metrics = json.loads((out / "metrics.json").read_text())

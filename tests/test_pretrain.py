@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_examples, read_scalars, tiny_config
+from conftest import CONFIGS, make_examples, read_scalars, tiny_config
 from safetensors.torch import load_file, save_file
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import ModelConfig, PretrainConfig
+from transformer_cli.config import CLASSIFIER_ONLY, ModelConfig, PretrainConfig, load_config
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.model import Electra, MaskedLM
@@ -23,6 +24,7 @@ from transformer_cli.pretrain import (
     MASK_ID,
     Corpus,
     MaskedLanguageModelling,
+    check_classifier_only,
     cut_windows,
     load_token_file,
     mask_tokens,
@@ -264,13 +266,77 @@ def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path)
         pretrain_config(path, tmp_path / "run", pretrain__splits=["train", "test"])
 
 
-@pytest.mark.parametrize("setting", [{"model__lazy_embeddings": True}, {"train__label_smoothing": 0.1},
-                                     {"train__adversarial_eps": 0.01}, {"train__virtual_adversarial_eps": 0.01}])
-def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, setting):
-    (key,) = setting
-    with pytest.raises(UsageError, match=key.replace("__", ".")):
-        pretrain(pretrain_config(synthetic_data_dir, tmp_path / "run", **setting), progress=False)
+def test_blank_lines_of_a_text_file_are_no_texts(tmp_path):
+    """They are skipped: neither held out, nor counted by --max-train-samples, nor trained on."""
+    lines = [r["text"] for r in make_examples(120, seed=5)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(f"{line}\n\n  \t\n" for line in lines), encoding="utf-8")
+    corpus = prepare_corpus(pretrain_config(path, tmp_path / "run"))
+    assert len(corpus.texts) == len(lines) and len(corpus.train_idx) == len(lines) - 40
+    cfg = pretrain_config(path, tmp_path / "run", data__max_train_samples=60)
+    corpus = prepare_corpus(cfg)
+    ids, offsets = encode_texts(corpus.tokenizer, lines[:60], cfg.data.max_length, cfg.data.truncation,
+                                cfg.data.head_fraction)
+    assert np.array_equal(corpus.texts.offsets, offsets) and np.array_equal(np.asarray(corpus.texts.ids), ids)
+
+
+@pytest.mark.parametrize("corpus", ["blank lines", "whitespace texts"])
+def test_a_corpus_without_words_is_one_clear_error(tmp_path, corpus):
+    if corpus == "blank lines":
+        path, expected = tmp_path / "blank.txt", "only blank lines"
+        path.write_text("\n  \n\t\n" * 40, encoding="utf-8")
+    else:  # texts of a JSON lines file are kept as they are, blank or not
+        path, expected = tmp_path / "blank.jsonl", "no words"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [" ", "\t", "  \n "] * 40), encoding="utf-8")
+    with pytest.raises(TfmError, match=expected) as info:
+        pretrain(pretrain_config(path, tmp_path / "run"), progress=False)
+    assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+# A value other than the default for each setting only classifier training reads.
+CLASSIFIER_VALUES = {
+    "model.ngram_buckets": 1000, "model.ngram_order": 2, "model.ngram_lr_scale": 10.0, "model.ngram_binary": False,
+    "model.ngram_own_loss": False, "model.lazy_embeddings": True, "data.label_column": "stars", "data.val_split": "",
+    "data.val_size": 0.2, "data.val_block": 5, "data.max_eval_samples": 5, "data.pseudo_labels": "nonexistent.jsonl",
+    "data.pseudo_min_score": 0.9, "train.label_smoothing": 0.1, "train.adversarial_eps": 0.01,
+    "train.virtual_adversarial_eps": 0.01, "train.test_at_end": True, "train.calibrate": False,
+    "train.init_from": "runs/pretrain",
+}
+
+
+def test_every_setting_that_only_classifier_training_reads_is_listed():
+    assert set(CLASSIFIER_VALUES) == set(CLASSIFIER_ONLY)
+
+
+@pytest.mark.parametrize("key", sorted(CLASSIFIER_VALUES))
+def test_settings_of_classifier_training_are_refused(synthetic_data_dir, tmp_path, key):
+    section, name = key.split(".")
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run").replace(**{section: {name: CLASSIFIER_VALUES[key]}})
+    with pytest.raises(UsageError, match=rf"^{key} = .*`tfm pretrain` does not use it") as info:
+        pretrain(cfg, progress=False)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synthetic_data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    result = CliRunner().invoke(app, ["pretrain", "--config", str(CONFIGS / "tiny.toml"), "--data",
+                                      str(synthetic_data_dir), "-o", str(tmp_path / "run"), "train.test_at_end=true",
+                                      "data.pseudo_labels=nonexistent.jsonl", "data.max_eval_samples=5",
+                                      "model.ngram_buckets=1000"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith("tfm: error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert "`tfm pretrain` does not use it" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml"])
+def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
+    check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too
 
 
 def test_a_missing_split_is_one_clear_error(synthetic_data_dir, tmp_path):
@@ -450,3 +516,55 @@ def test_a_bad_init_from_directory_is_one_clear_error(pretrained, synthetic_data
         attempt()
     assert type(info.value) is expected and "\n" not in str(info.value)
     assert not (tmp_path / "ft" / ckpt.MODEL_FILE).exists()
+
+
+# --------------------------------------------------------------------------- where a classifier is expected
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["predict", "a fine film"], ["inspect"],
+                                     ["explain", "a fine film", "--html", "page.html"],
+                                     ["pseudo-label", "-o", "labels.jsonl", "--split", "train"]], ids=lambda c: c[0])
+def test_a_pretraining_output_given_for_a_classifier_says_what_it_is(pretrained, tmp_path, monkeypatch, command):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    out, _ = pretrained
+    if command[0] == "inspect":
+        pytest.importorskip("torchinfo")
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, [*command, "-c", str(out)])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (f"tfm: error: '{out}' holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
+                    f"fine-tune a classifier from it with `tfm train --init-from {out}`")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_pretraining_that_saved_no_model_yet_is_no_classifier_either(pretrained, tmp_path):
+    import shutil
+
+    from transformer_cli.evaluate import load_model_dir
+
+    early = Path(shutil.copytree(pretrained[0], tmp_path / "early", ignore=shutil.ignore_patterns("*.safetensors")))
+    with pytest.raises(UsageError, match="holds a pretrained encoder written by `tfm pretrain`, not a classifier"):
+        load_model_dir(early)
+
+
+@pytest.mark.parametrize("how", ["--resume", "--resume-from"])
+def test_resuming_a_pretraining_as_a_classifier_names_the_cause(pretrained, synthetic_data_dir, tmp_path, how):
+    import shutil
+
+    run = Path(shutil.copytree(pretrained[0], tmp_path / "pre"))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    if how == "--resume":
+        cfg, resume = pretrain_config(synthetic_data_dir, run), True
+    else:
+        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "ft"), str(ckpt.checkpoint_dirs(run)[-1])
+    for force in (False, True):
+        with pytest.raises(UsageError, match=r"holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
+                           rf"fine-tune a classifier from it with `tfm train --init-from {re.escape(str(run))}` and another "
+                           r"--output-dir; `tfm pretrain --resume` continues the pretraining"):
+            train(cfg, resume=resume, force=force, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    assert not (tmp_path / "ft").exists()

@@ -326,10 +326,11 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
            "--out", str(runs), "--recipes", "pretrained", "self-trained", "scratch", "--seeds", "1", "--",
-           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1"]
+           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "data.max_eval_samples=1000"]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
-    # pretrain; train and evaluate for each recipe; the teacher's pseudo-labels once
+    # pretrain (without data.max_eval_samples, which it refuses); train and evaluate for each recipe; the
+    # teacher's pseudo-labels once
     assert done.stdout.count("$ ") == 8
     lines = done.stdout.splitlines()
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == [
@@ -338,6 +339,7 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
                                for name in ("pretrained", "self-trained", "scratch"))
     assert tuned["train"]["init_from"] == student["train"]["init_from"] == str((runs / "pretrain").resolve())
     assert scratch["train"]["init_from"] is None
+    assert tuned["data"]["max_eval_samples"] == student["data"]["max_eval_samples"] == 1000
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("data", "vocab_size"), ("data", "max_length")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     labels = [json.loads(line) for line in (runs / "pseudo-s1.jsonl").read_text().splitlines()]

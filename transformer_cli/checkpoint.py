@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from transformer_cli.config import FORMAT_VERSION
-from transformer_cli.errors import TfmError, first_line
+from transformer_cli.errors import TfmError, UsageError, first_line
 from transformer_cli.fileio import (
     atomic_write_bytes,
     atomic_write_text,
@@ -33,6 +33,7 @@ from transformer_cli.fileio import (
 MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
 CKPT_DIR, COMPLETE = "checkpoints", "COMPLETE"
 BEST_FILE = "best.safetensors"  # in a checkpoint: the output's model (the best so far) when it was written
+PRETRAINED_KIND = "pretrained encoder"  # config.json's "kind" in the output directory of `tfm pretrain`
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -77,6 +78,17 @@ def model_files(cfg_dict: dict, tokenizer_json: str, vocab_size: int, **meta) ->
     model needs. `meta` adds fields to config.json (a classifier's `labels`, say)."""
     config = {"format_version": FORMAT_VERSION, **meta, "vocab_size": vocab_size, **cfg_dict}
     return {CONFIG_FILE: json.dumps(config, indent=2) + "\n", TOKENIZER_FILE: tokenizer_json}
+
+
+def refuse_pretrained_encoder(folder: Path, meta: object = None, then: str = "") -> None:
+    """Where a classifier's directory is expected: refuse, in one line, the output of `tfm pretrain` (its
+    config.json's "kind"). `meta`: that config.json if already read, else it is read here if there."""
+    if meta is None:
+        path = Path(folder) / CONFIG_FILE
+        meta = read_json(path, "config") if path.is_file() else None
+    if isinstance(meta, dict) and meta.get("kind") == PRETRAINED_KIND:
+        raise UsageError(f"'{folder}' holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
+                         f"fine-tune a classifier from it with `tfm train --init-from {folder}`{then}")
 
 
 def save_model_files(out: Path, cfg_dict: dict, tokenizer_json: str, labels: list[str], vocab_size: int) -> None:

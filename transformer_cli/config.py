@@ -429,6 +429,25 @@ FORMAT_VERSION = 1  # of a run's config.json
 # What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index.
 ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "norm", "pos_emb"),
                   "data": ("tokenizer", "vocab_size", "lowercase", "max_length")}
+_NGRAM = "the classifier's n-gram path"
+_HELD_OUT = "the classifier's validation data; pretraining holds out pretrain.val_texts texts"
+_LOSS = "it shapes the classifier's loss"
+# The settings only `tfm train` reads, with what they are for; `tfm pretrain` refuses any of them that differs from
+# its default. model.pooling and model.token_dropout are classifier-only too, but left free: recipes shared by both
+# commands (configs/tiny.toml) and the pretraining recipes set them.
+CLASSIFIER_ONLY = {
+    "model.ngram_buckets": _NGRAM, "model.ngram_order": _NGRAM, "model.ngram_lr_scale": _NGRAM,
+    "model.ngram_binary": _NGRAM, "model.ngram_own_loss": _NGRAM,
+    "model.lazy_embeddings": "sparse embedding updates; the masked-LM head reads the whole embedding table",
+    "data.label_column": "the labels, which pretraining never reads",
+    "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT, "data.val_block": _HELD_OUT,
+    "data.max_eval_samples": "the classifier's validation and test sets",
+    "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
+    "train.label_smoothing": _LOSS, "train.adversarial_eps": _LOSS, "train.virtual_adversarial_eps": _LOSS,
+    "train.test_at_end": "the test split, which pretraining never reads",
+    "train.calibrate": "the classifier's probabilities",
+    "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
+}
 
 
 def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on 
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
-                 ".txt": "text"}  # .txt: one text per line, in a column "text" (for `tfm pretrain`)
+                 ".txt": "text"}  # .txt: one text per line, in a column "text" (`tfm pretrain` skips blank lines)
 
 
 @dataclass
@@ -212,15 +212,21 @@ def source_files(source: str) -> list[Path]:
     return [Path(f) for split_files in found.values() for f in split_files]
 
 
-def text_chunks(tables: list, column: str, size: int, limit: int | None = None) -> Iterator[list[str]]:
+def text_chunks(tables: list, column: str, size: int, limit: int | None = None,
+                skip_blank: bool = False) -> Iterator[list[str]]:
     """The first `limit` (default: all) texts of `tables`, in order, `size` at a time: only one chunk is
-    in memory at once."""
+    in memory at once. `skip_blank`: whitespace-only texts are left out (and not counted)."""
     left = limit
     for table in tables:
         for chunk in table.iter(batch_size=size):
-            texts = chunk[column][:left]
+            texts = chunk[column]
+            if skip_blank:
+                texts = [t for t in texts if not isinstance(t, str) or t.strip()]
+            texts = texts[:left]
             if any(not isinstance(t, str) for t in texts):
                 raise TfmError(f"column '{column}' holds empty or non-text values")
+            if not texts:
+                continue
             yield texts
             if left is not None:
                 left -= len(texts)

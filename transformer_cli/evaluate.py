@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
-from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights
+from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights, refuse_pretrained_encoder
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
@@ -274,8 +274,10 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
         raise TfmError(f"checkpoint directory '{out}' {what}; pass the --output-dir of a `tfm train` run")
     for name in (CONFIG_FILE, TOKENIZER_FILE, MODEL_FILE):
         if not (out / name).is_file():
+            refuse_pretrained_encoder(out)  # first: a pretraining that saved no model yet is no classifier either
             raise TfmError(f"'{out}' is not a complete model directory: {name} is missing")
     meta = read_json(out / CONFIG_FILE, "config")
+    refuse_pretrained_encoder(out, meta)
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import Config, PretrainConfig
+from transformer_cli.config import CLASSIFIER_ONLY, Config, PretrainConfig
 from transformer_cli.data import (
     CLS_ID,
     SPECIAL_TOKENS,
@@ -83,6 +83,11 @@ def text_splits(cfg: Config) -> list:
     return [ds[split].select_columns([column]) for split in wanted]
 
 
+def is_lines(table) -> bool:
+    """Whether a split was read from .txt files (`datasets`' text builder): one text per line."""
+    return getattr(table.info, "builder_name", None) == "text"
+
+
 # --------------------------------------------------------------------------- the corpus
 
 
@@ -99,9 +104,10 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     cached in the cache folder under a key of the text, the tokenizer and the encoding settings."""
     d, pc = cfg.data, cfg.pretrain
     tables = text_splits(cfg)
+    lines = any(is_lines(t) for t in tables)  # a .txt file's blank lines separate texts: they are none
 
     def chunks() -> Iterator[list[str]]:  # a new pass over the text
-        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples)
+        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples, skip_blank=lines)
 
     class Texts:  # every text, from the start on each iter(): the tokenizer trainer reads them twice
         def __iter__(self) -> Iterator[str]:
@@ -114,11 +120,16 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
             h.update(t.encode("utf-8", "surrogatepass"))
             h.update(b"\0")
         n += len(texts)
+    if n == 0 and lines:
+        raise TfmError(f"'{d.source}' has no text, only blank lines; pretrain on a file of texts, one per line")
     if n <= pc.val_texts:
         raise TfmError(f"'{d.source}' has {n} texts; pretraining needs more than pretrain.val_texts = {pc.val_texts}")
     fingerprint = h.hexdigest()
     if tokenizer is None:
         tokenizer = cached_tokenizer(Texts(), n, d, fingerprint)
+    if tokenizer.get_vocab_size() <= FIRST_WORD_ID:  # masking draws its random words from the others
+        raise TfmError(f"'{d.source}' has no words: its texts gave a vocabulary of the special tokens alone "
+                       f"({', '.join(SPECIAL_TOKENS)}); pretrain on a corpus of text")
     folder = cache_dir(d.cache_dir)
     key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
@@ -289,15 +300,20 @@ class MaskedLanguageModelling:
 # --------------------------------------------------------------------------- the command
 
 
+def check_classifier_only(cfg: Config) -> None:
+    """Refuse a CLASSIFIER_ONLY setting that differs from its default, rather than ignore it."""
+    defaults = Config().to_dict()
+    for key, why in CLASSIFIER_ONLY.items():
+        section, name = key.split(".")
+        value, default = getattr(getattr(cfg, section), name), defaults[section][name]
+        if value != default:
+            then = "leave it unset" if default is None else f"leave it at its default, {default!r}"
+            raise UsageError(f"{key} = {value!r} is for `tfm train` ({why}); `tfm pretrain` does not use it: {then}")
+
+
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
     tc = cfg.train
-    if tc.init_from:
-        raise UsageError("train.init_from starts a classifier (`tfm train`); `tfm pretrain` starts from random weights")
-    if cfg.model.lazy_embeddings:
-        raise UsageError("model.lazy_embeddings is for `tfm train`: the masked-LM head reads the whole embedding table")
-    for name in ("label_smoothing", "adversarial_eps", "virtual_adversarial_eps"):
-        if getattr(tc, name):
-            raise UsageError(f"train.{name} shapes the classifier's loss (`tfm train`); `tfm pretrain` does not use it")
+    check_classifier_only(cfg)
     if tc.select_metric not in PRETRAIN_METRICS:
         raise UsageError(f"train.select_metric = {tc.select_metric!r}: `tfm pretrain` measures the masked-LM loss and "
                          "accuracy only; use \"loss\" (its default) or \"accuracy\"")
@@ -307,7 +323,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = pretraining_model(cfg, vocab_size)
     task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size, tc.select_metric or "loss")
-    files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind="pretrained encoder",
+    files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 

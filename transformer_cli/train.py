@@ -811,6 +811,9 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     encoder with `train.init_from`), optimizer ready, restored on resume."""
     tc = cfg.train
     resume_dir = begin(tc, rt, resume)
+    if resume_dir is not None:
+        ckpt.refuse_pretrained_encoder(resume_dir.parent.parent, then=" and another --output-dir; `tfm pretrain "
+                                       "--resume` continues the pretraining")
     # A resumed run keeps the tokenizer its weights were trained with, even if --force changed what
     # would train another; a fine-tuned one reads its pretrained encoder's.
     tokenizer = trained_labels = None
