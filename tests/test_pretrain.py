@@ -568,3 +568,29 @@ def test_resuming_a_pretraining_as_a_classifier_names_the_cause(pretrained, synt
             train(cfg, resume=resume, force=force, progress=False)
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
     assert not (tmp_path / "ft").exists()
+
+
+def test_a_fresh_classifier_run_into_a_pretraining_folder_names_the_cause(pretrained, synthetic_data_dir, tmp_path):
+    import shutil
+
+    run = Path(shutil.copytree(pretrained[0], tmp_path / "pre"))
+    with pytest.raises(UsageError, match="holds a pretrained encoder written by `tfm pretrain`, not a classifier"):
+        train(pretrain_config(synthetic_data_dir, run), progress=False)
+
+
+@pytest.mark.parametrize("how", ["--resume", "--resume-from"])
+def test_resuming_a_classifier_as_a_pretraining_names_the_cause(trained_run, synthetic_data_dir, tmp_path, how):
+    import shutil
+
+    run = Path(shutil.copytree(trained_run[0], tmp_path / "clf"))
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    if how == "--resume":
+        cfg, resume = pretrain_config(synthetic_data_dir, run), True
+    else:
+        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "pre"), str(ckpt.checkpoint_dirs(run)[-1])
+    for force in (False, True):
+        with pytest.raises(UsageError, match=r"holds a classifier written by `tfm train`, not a pretraining run; "
+                           r"pretrain into another --output-dir"):
+            pretrain(cfg, resume=resume, force=force, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+    assert not (tmp_path / "pre").exists()

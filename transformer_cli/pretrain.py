@@ -317,7 +317,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if tc.select_metric not in PRETRAIN_METRICS:
         raise UsageError(f"train.select_metric = {tc.select_metric!r}: `tfm pretrain` measures the masked-LM loss and "
                          "accuracy only; use \"loss\" (its default) or \"accuracy\"")
-    resume_dir = begin(tc, rt, resume)
+    resume_dir = begin(tc, rt, resume, pretraining=True)
     tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()

@@ -621,8 +621,23 @@ def save_checkpoint(run: Run) -> Path | None:
 # --------------------------------------------------------------------------- setup
 
 
-def check_output_dir(out: Path, resume: bool | str) -> None:
+def check_run_kind(folder: Path, pretraining: bool) -> None:
+    """A folder of the other command's runs is refused in one line: resuming it would fail on its weights."""
+    path = folder / ckpt.CONFIG_FILE
+    meta = read_json(path, "config") if path.is_file() else None
+    if not isinstance(meta, dict) or (meta.get("kind") == ckpt.PRETRAINED_KIND) == pretraining:
+        return
+    if not pretraining:
+        ckpt.refuse_pretrained_encoder(folder, meta, then=" and another --output-dir; `tfm pretrain --resume` "
+                                       "continues the pretraining")
+    raise UsageError(f"'{folder}' holds a classifier written by `tfm train`, not a pretraining run; pretrain into "
+                     "another --output-dir (`tfm train --resume` continues the classifier's training)")
+
+
+def check_output_dir(out: Path, resume: bool | str, pretraining: bool = False) -> None:
     check_output_path(out, "output directory", folder=True, hint="choose another --output-dir")
+    if resume is not False or out.is_dir():
+        check_run_kind(out, pretraining)
     if resume is True:
         return
     # Without a checkpoint or metrics.json, a folder holds what a run writes before its first checkpoint
@@ -650,12 +665,14 @@ def find_resume(out: Path, resume: bool | str) -> Path | None:
     return found[-1]
 
 
-def begin(tc: TrainConfig, rt: Runtime, resume: bool | str) -> Path | None:
+def begin(tc: TrainConfig, rt: Runtime, resume: bool | str, pretraining: bool = False) -> Path | None:
     """What every run does first: check its output folder and batch size, find the checkpoint to
     resume from (None: a fresh run), set torch's threads and seed every generator."""
     out = Path(tc.output_dir)
-    check_output_dir(out, resume)
+    check_output_dir(out, resume, pretraining)
     resume_dir = find_resume(out, resume)
+    if resume_dir is not None:
+        check_run_kind(resume_dir.parent.parent, pretraining)
     check_batch_size(tc, rt)
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
@@ -811,9 +828,6 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     encoder with `train.init_from`), optimizer ready, restored on resume."""
     tc = cfg.train
     resume_dir = begin(tc, rt, resume)
-    if resume_dir is not None:
-        ckpt.refuse_pretrained_encoder(resume_dir.parent.parent, then=" and another --output-dir; `tfm pretrain "
-                                       "--resume` continues the pretraining")
     # A resumed run keeps the tokenizer its weights were trained with, even if --force changed what
     # would train another; a fine-tuned one reads its pretrained encoder's.
     tokenizer = trained_labels = None
