@@ -206,6 +206,11 @@ def test_explain_usage_errors(trained_dir, tmp_path):
     assert_fails_cleanly(tfm("explain", "-c", tmp_path / "none", "--html", tmp_path / "x.html", "good"), 1,
                          "does not exist")
     assert not (tmp_path / "x.html").exists()
+    reviews = tmp_path / "reviews.txt"
+    reviews.write_text("good\nbad\n", encoding="utf-8")
+    assert_fails_cleanly(tfm("explain", "-c", trained_dir, "--file", reviews, "--html", reviews), 2,
+                         f"--html '{reviews}' is the command's input")
+    assert reviews.read_text(encoding="utf-8") == "good\nbad\n"
 
 
 def test_explain_refuses_a_wide_and_deep_model(synthetic_data_dir, tmp_path):

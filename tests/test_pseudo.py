@@ -130,7 +130,7 @@ def test_the_data_being_labelled_is_never_overwritten(trained_dir, tmp_path, mon
     monkeypatch.setattr(pseudo, "split_table", lambda *a: pytest.fail("the split was read"))
     for force in ([], ["--force"]):
         assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--data", source, "--split", "train", "-o", output,
-                                 *force), 2, f"--output '{output}' is a file of the data being labelled")
+                                 *force), 2, f"--output '{output}' is the command's input")
     assert data.read_bytes() == before
 
 

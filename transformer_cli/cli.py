@@ -477,7 +477,8 @@ def explain_reviews(
     ig_steps: IgSteps = None,
 ) -> None:
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
-    check_output_path(html, "--html", hint="pass a file name for the page")  # before the explanations' minutes
+    check_output_path(html, "--html", hint="pass a file name for the page",  # before the explanations' minutes
+                      inputs=[file] if file not in (None, "-") else [])
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 

@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,13 +32,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_output_path(path: str | Path, name: str, folder: bool = False, hint: str | None = None) -> Path:
+def check_output_path(path: str | Path, name: str, folder: bool = False, hint: str | None = None,
+                      inputs: Iterable[str | Path] = ()) -> Path:
     """`path` if a command can write it, else a UsageError naming it as given (`name`: the option, e.g.
     '--html'; `hint`: what to do, default 'choose another NAME'): checked before the work, which would
     otherwise fail only at its end. A file's path must not be a folder, a folder's not a file, no folder
-    above it a file, and the nearest existing folder (the file's own place, for a file) must be writable."""
+    above it a file, the nearest existing folder (the file's own place, for a file) must be writable,
+    and it must not be one of the command's `inputs` (by any name: links count)."""
     path = Path(path)
     hint = hint or f"choose another {name}"
+    if path.exists():
+        for f in inputs:
+            if Path(f).exists() and os.path.samefile(path, f):
+                raise UsageError(f"{name} '{path}' is the command's input '{f}'; write to another file")
     if folder and path.exists() and not path.is_dir():
         raise UsageError(f"{name} '{path}' is a file; {hint}")
     if not folder and path.is_dir():

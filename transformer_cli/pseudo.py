@@ -15,7 +15,6 @@ larger than memory can be labelled.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -62,10 +61,7 @@ def check_output(output: Path, source: str, force: bool) -> None:
     other splits would go too), and over any other existing file without `force`."""
     if not output.exists():
         return
-    for f in source_files(source):
-        if f.exists() and os.path.samefile(output, f):
-            raise UsageError(f"--output '{output}' is a file of the data being labelled ('{source}'); write the "
-                             "pseudo-labels to another file")
+    check_output_path(output, "--output", inputs=source_files(source))
     if not force:
         raise UsageError(f"--output '{output}' already exists; pass --force to replace it, or choose another --output")
 
