@@ -552,22 +552,30 @@ def test_a_pretraining_that_saved_no_model_yet_is_no_classifier_either(pretraine
 
 
 @pytest.mark.parametrize("how", ["--resume", "--resume-from"])
-def test_resuming_a_pretraining_as_a_classifier_names_the_cause(pretrained, synthetic_data_dir, tmp_path, how):
+@pytest.mark.parametrize("folder", ["pretrained", "trained_run"])
+def test_resuming_the_other_commands_run_names_the_cause(request, synthetic_data_dir, tmp_path, folder, how):
+    """tfm train on a pretraining's folder or checkpoint, and tfm pretrain on a classifier's: one line, with
+    or without --force, and nothing of the folder touched."""
     import shutil
 
-    run = Path(shutil.copytree(pretrained[0], tmp_path / "pre"))
+    run = Path(shutil.copytree(request.getfixturevalue(folder)[0], tmp_path / "run"))
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     if how == "--resume":
         cfg, resume = pretrain_config(synthetic_data_dir, run), True
     else:
-        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "ft"), str(ckpt.checkpoint_dirs(run)[-1])
+        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "new"), str(ckpt.checkpoint_dirs(run)[-1])
+    command, message = {
+        "pretrained": (train, (r"holds a pretrained encoder written by `tfm pretrain`, not a classifier; fine-tune a "
+                               rf"classifier from it with `tfm train --init-from {re.escape(str(run))}` and another "
+                               r"--output-dir; `tfm pretrain --resume` continues the pretraining")),
+        "trained_run": (pretrain, (r"holds a classifier written by `tfm train`, not a pretraining run; pretrain into "
+                                   r"another --output-dir")),
+    }[folder]
     for force in (False, True):
-        with pytest.raises(UsageError, match=r"holds a pretrained encoder written by `tfm pretrain`, not a classifier; "
-                           rf"fine-tune a classifier from it with `tfm train --init-from {re.escape(str(run))}` and another "
-                           r"--output-dir; `tfm pretrain --resume` continues the pretraining"):
-            train(cfg, resume=resume, force=force, progress=False)
+        with pytest.raises(UsageError, match=message):
+            command(cfg, resume=resume, force=force, progress=False)
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
-    assert not (tmp_path / "ft").exists()
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_fresh_classifier_run_into_a_pretraining_folder_names_the_cause(pretrained, synthetic_data_dir, tmp_path):
@@ -576,21 +584,3 @@ def test_a_fresh_classifier_run_into_a_pretraining_folder_names_the_cause(pretra
     run = Path(shutil.copytree(pretrained[0], tmp_path / "pre"))
     with pytest.raises(UsageError, match="holds a pretrained encoder written by `tfm pretrain`, not a classifier"):
         train(pretrain_config(synthetic_data_dir, run), progress=False)
-
-
-@pytest.mark.parametrize("how", ["--resume", "--resume-from"])
-def test_resuming_a_classifier_as_a_pretraining_names_the_cause(trained_run, synthetic_data_dir, tmp_path, how):
-    import shutil
-
-    run = Path(shutil.copytree(trained_run[0], tmp_path / "clf"))
-    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
-    if how == "--resume":
-        cfg, resume = pretrain_config(synthetic_data_dir, run), True
-    else:
-        cfg, resume = pretrain_config(synthetic_data_dir, tmp_path / "pre"), str(ckpt.checkpoint_dirs(run)[-1])
-    for force in (False, True):
-        with pytest.raises(UsageError, match=r"holds a classifier written by `tfm train`, not a pretraining run; "
-                           r"pretrain into another --output-dir"):
-            pretrain(cfg, resume=resume, force=force, progress=False)
-    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
-    assert not (tmp_path / "pre").exists()
