@@ -636,8 +636,7 @@ def check_run_kind(folder: Path, pretraining: bool) -> None:
 
 def check_output_dir(out: Path, resume: bool | str, pretraining: bool = False) -> None:
     check_output_path(out, "output directory", folder=True, hint="choose another --output-dir")
-    if resume is not False or out.is_dir():
-        check_run_kind(out, pretraining)
+    check_run_kind(out, pretraining)
     if resume is True:
         return
     # Without a checkpoint or metrics.json, a folder holds what a run writes before its first checkpoint
