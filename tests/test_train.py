@@ -417,6 +417,25 @@ def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_
     assert "ema" in ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[1]
 
 
+@pytest.mark.parametrize(("key", "value", "free"), [
+    ("train.num_threads", 1, True), ("data.cache_dir", "/elsewhere", True), ("pretrain.shard_texts", 100, True),
+    ("train.lr", 0.5, False), ("pretrain.mask_prob", 0.2, False), ("data.vocab_size", 500, False),
+])
+def test_only_settings_that_leave_training_unchanged_may_differ_on_resume(key, value, free):
+    from transformer_cli.config import Config
+
+    now = Config()
+    saved = now.to_dict()
+    section, name = key.split(".")
+    saved[section][name] = value
+    if free:
+        train_mod._check_resume_config(saved, now, 1, 1, force=False)
+    else:
+        with pytest.raises(UsageError, match=rf"{key}: {value!r} ->"):
+            train_mod._check_resume_config(saved, now, 1, 1, force=False)
+    train_mod._check_resume_config(saved, now, 1, 1, force=True)
+
+
 def test_a_run_saved_before_newer_config_fields_resumes_without_force(trained_run, synthetic_data_dir, tmp_path):
     import shutil
 

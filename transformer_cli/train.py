@@ -46,8 +46,10 @@ from transformer_cli.optim import clip_grad_norm_, make_optimizer
 from transformer_cli.runtime import Runtime, make_runtime, shutdown
 
 # Settings that may differ on resume without changing the trajectory of training.
-RESUME_FREE = {"output_dir", "log_every", "eval_batch_size", "test_at_end", "checkpoint_every",
-               "keep_checkpoints", "device", "num_threads", "max_bad_steps", "compile", "calibrate"}
+RESUME_FREE = {*(f"train.{k}" for k in ("output_dir", "log_every", "eval_batch_size", "test_at_end", "checkpoint_every",
+                                        "keep_checkpoints", "device", "num_threads", "max_bad_steps", "compile",
+                                        "calibrate")),
+               "data.cache_dir", "pretrain.shard_texts"}  # where the caches are, and how the corpus is read into them
 
 
 class Interrupted(TfmError):
@@ -693,7 +695,7 @@ def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world:
     path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
 
     def matters(section: str, key: str) -> bool:  # the n-gram path's settings mean nothing while it is off
-        return not (section == "train" and key in RESUME_FREE) and not (
+        return f"{section}.{key}" not in RESUME_FREE and not (
             path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
 
     diffs = [
