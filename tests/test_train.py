@@ -520,6 +520,20 @@ def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_r
     assert (fresh / ckpt.TOKENIZER_FILE).read_text() == (source / ckpt.TOKENIZER_FILE).read_text()
 
 
+@pytest.mark.parametrize("config", ['{"architectures": ["BertModel"]}', "{damaged"], ids=["another-programs", "damaged"])
+def test_a_model_beside_no_config_of_a_tfm_run_is_never_replaced(tiny_cfg, config):
+    """A folder of another program's model (or a copied model whose config.json is damaged) is no run
+    that died before its first checkpoint: a fresh start there is refused and touches nothing."""
+    out = Path(tiny_cfg.train.output_dir)
+    out.mkdir()
+    files = {ckpt.CONFIG_FILE: config, ckpt.TOKENIZER_FILE: "{}", ckpt.MODEL_FILE: "weights"}
+    for name, text in files.items():
+        (out / name).write_text(text)
+    with pytest.raises(UsageError, match="already holds a run"):
+        train(tiny_cfg, progress=False)
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+
+
 def test_a_run_branched_into_a_new_folder_keeps_the_checkpoints_best_model(synthetic_data_dir, tmp_path):
     """The best model is part of a checkpoint: resumed into a new folder (or back to an earlier step),
     model.safetensors is the best as of that checkpoint, even if no later validation beats it."""

@@ -131,6 +131,10 @@ def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_stat
                 atomic_write_bytes(tmp / BEST_FILE, Path(best).read_bytes())
         write_json(tmp / "trainer.json", train_state)
         atomic_write_text(tmp / COMPLETE, f"{step}\n")
+        # Later steps belong to a run this one left (it resumed from an earlier checkpoint): they go before
+        # this one appears, so that a kill in between resumes from this run's own checkpoints.
+        for later in [p for p in checkpoint_dirs(out) if p.name > final.name]:
+            _remove(later)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -138,8 +142,6 @@ def save_checkpoint(out: Path, step: int, model, train_state: dict, tensors_stat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    for later in [p for p in checkpoint_dirs(out) if p.name > final.name]:
-        _remove(later)
     for old in checkpoint_dirs(out)[:-keep]:
         _remove(old)
     for stale in root.glob(".step-*"):  # temp and half-removed folders of killed runs

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from transformer_cli import calibration, tb_pictures
 from transformer_cli import checkpoint as ckpt
-from transformer_cli.config import Config, TrainConfig, with_legacy_values
+from transformer_cli.config import FORMAT_VERSION, Config, TrainConfig, with_legacy_values
 from transformer_cli.data import BucketSampler, Encoded, collate, prepare_eval_data, prepare_train_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import all_logits, evaluate_scaled
@@ -623,11 +623,21 @@ def save_checkpoint(run: Run) -> Path | None:
 # --------------------------------------------------------------------------- setup
 
 
+def run_config(folder: Path) -> dict | None:
+    """The config.json of a tfm run in `folder` (this format, with its sections); None if there is none,
+    it is unreadable, or it is another program's."""
+    try:
+        meta = read_json(folder / ckpt.CONFIG_FILE, "config")
+    except (TfmError, OSError):
+        return None
+    ours = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION and isinstance(meta.get("train"), dict)
+    return meta if ours else None
+
+
 def check_run_kind(folder: Path, pretraining: bool) -> None:
     """A folder of the other command's runs is refused in one line: resuming it would fail on its weights."""
-    path = folder / ckpt.CONFIG_FILE
-    meta = read_json(path, "config") if path.is_file() else None
-    if not isinstance(meta, dict) or (meta.get("kind") == ckpt.PRETRAINED_KIND) == pretraining:
+    meta = run_config(folder)
+    if meta is None or (meta.get("kind") == ckpt.PRETRAINED_KIND) == pretraining:
         return
     if not pretraining:
         ckpt.refuse_pretrained_encoder(folder, meta, then=" and another --output-dir; `tfm pretrain --resume` "
@@ -641,10 +651,12 @@ def check_output_dir(out: Path, resume: bool | str, pretraining: bool = False) -
     check_run_kind(out, pretraining)
     if resume is True:
         return
-    # Without a checkpoint or metrics.json, a folder holds what a run writes before its first checkpoint
-    # (config.json, tokenizer.json, events, maybe a model from a validation): a run that died then
-    # cannot be resumed, so it may be started again in the same folder, which replaces those files.
-    if ckpt.checkpoint_dirs(out) or (out / ckpt.METRICS_FILE).exists():
+    # Without a checkpoint or metrics.json, a tfm run's folder holds what it writes before its first
+    # checkpoint (config.json, tokenizer.json, events, maybe a model from a validation): a run that died
+    # then cannot be resumed, so it may be started again in the same folder, which replaces those files.
+    # A model beside no config of a tfm run (another program's, a copied model) is never replaced.
+    foreign_model = (out / ckpt.MODEL_FILE).exists() and run_config(out) is None
+    if ckpt.checkpoint_dirs(out) or (out / ckpt.METRICS_FILE).exists() or foreign_model:
         if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
             return  # --resume-from one of this folder's own checkpoints
         raise UsageError(
@@ -748,7 +760,9 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
             (out / ckpt.MODEL_FILE).unlink(missing_ok=True)
             for events in out.glob("events.out.tfevents.*"):
                 events.unlink()
-        elif state.best_step >= 0 and (resume_dir / ckpt.BEST_FILE).is_file():
+        elif state.best_step < 0:  # nothing validated yet: a model here is a later (or another) run's
+            (out / ckpt.MODEL_FILE).unlink(missing_ok=True)
+        elif (resume_dir / ckpt.BEST_FILE).is_file():
             # the best model as of the checkpoint, not whatever a later (or another) run saved since
             atomic_write_bytes(out / ckpt.MODEL_FILE, (resume_dir / ckpt.BEST_FILE).read_bytes())
         for name, text in files.items():
