@@ -458,6 +458,15 @@ def test_an_empty_file_in_a_dataset_folder_is_named(tmp_path, content):
         load_splits(cfg_for(tmp_path), ("train",))
 
 
+def test_empty_files_that_are_no_split_of_a_dataset_folder_do_not_matter(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", make_examples(20, seed=1))
+    (tmp_path / "notes.txt").write_text("", encoding="utf-8")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "train-checkpoint.jsonl").write_text("", encoding="utf-8")
+    splits, _ = load_splits(cfg_for(tmp_path), ("train",))
+    assert len(splits["train"]) == 20
+
+
 def test_an_unreadable_dataset_folder_is_not_told_to_pass_a_local_copy(tmp_path):
     (tmp_path / "train.jsonl").write_text("{not json\n", encoding="utf-8")
     with pytest.raises(TfmError, match="check its data files") as e:
@@ -474,11 +483,14 @@ def test_a_file_not_in_utf8_is_refused_with_what_to_do(tmp_path):
 
 def test_a_label_column_of_distinct_values_is_named(tmp_path):
     """The text column given as the labels: every review its own class, refused before any split."""
-    rows = make_examples(40, seed=3)
+    rows = make_examples(300, seed=3)
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     cfg = DataConfig(source=str(path), label_column="text")
-    with pytest.raises(TfmError, match="of the .* classes in column 'text' .* have one example; set data.label_column"):
+    with pytest.raises(TfmError, match="column 'text' .* has 300 distinct values in 300 examples; set data.label_column"):
         train_val_splits(cfg, seed=0)
+    few = write_jsonl(tmp_path / "few.jsonl", [{"text": f"review {i}", "label": i % 3} for i in range(12)])
+    train, val, names, _ = train_val_splits(DataConfig(source=str(few), val_size=0.5), seed=0)  # few, not distinct
+    assert names == ["0", "1", "2"] and len(train) + len(val) == 12
 
 
 def test_optional_splits_are_loaded_when_the_dataset_has_them(tmp_path, csv_rows):

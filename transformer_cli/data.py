@@ -35,6 +35,7 @@ ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in 
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
+MANY_CLASSES = 100  # beyond this, a label column with more classes than half its examples is no label column
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                  ".txt": "text"}  # .txt: one text per line, in a column "text" (`tfm pretrain` skips blank lines)
 
@@ -144,19 +145,18 @@ def open_dataset(source: str):
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
-    folder = Path(source).is_dir()
-    if folder:  # datasets would say only that a split "corresponds to no data"
-        for f in sorted(Path(source).rglob("*")):
-            if f.suffix.lower() in FILE_BUILDERS and f.is_file() and f.stat().st_size <= 4096 and \
-                    not f.read_bytes().strip():
-                raise UsageError(f"data file '{f}' is empty: fill it or remove it")
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         return datasets.load_dataset(source, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 (datasets raises many types for missing/offline/unreadable sources)
-        hint = ("check its data files (one per split, e.g. train.csv and test.csv)" if folder
-                else "pass a local copy with --data PATH")
-        raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); {hint}") from None
+        if not Path(source).is_dir():
+            raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH") \
+                from None
+        for f in source_files(source):  # datasets says only that a split "corresponds to no data"
+            if f.is_file() and f.stat().st_size <= 4096 and not f.read_bytes().strip():
+                raise UsageError(f"data file '{f}' is empty: fill it or remove it") from None
+        raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); check its data files (one per "
+                       "split, e.g. train.csv and test.csv)") from None
 
 
 def open_dataset_files(files: dict[str, str]):
@@ -747,10 +747,9 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     if len(label_names) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has only one class ({', '.join(label_names)}); "
                        "a classifier needs examples of at least two")
-    single = int((np.bincount(full.labels, minlength=len(label_names)) < 2).sum())
-    if single > len(label_names) // 2:  # e.g. data.label_column naming the text or an id column
-        raise TfmError(f"{single:,} of the {len(label_names):,} classes in column '{cfg.label_column}' of the train "
-                       f"split of '{cfg.source}' have one example; set data.label_column to the column of labels")
+    if len(label_names) > max(MANY_CLASSES, len(full) // 2):  # e.g. data.label_column naming the text or an id
+        raise TfmError(f"column '{cfg.label_column}' of the train split of '{cfg.source}' has {len(label_names):,} "
+                       f"distinct values in {len(full):,} examples; set data.label_column to the column of labels")
     val_split = cfg.val_split if cfg.val_split in raw else ""
     if val_split:
         val = raw[val_split]
