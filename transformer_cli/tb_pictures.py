@@ -52,7 +52,7 @@ def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, sh
     lines = [f"The {len(worst)} most confidently wrong of {len(wrong)} wrong validation reviews (of {len(enc)}):", "",
              "| probability | true | predicted | review |", "|---|---|---|---|"]
     for i in worst:
-        lines.append(f"| {probs[i, predicted[i]]:.3f} | {names[enc.labels[i]]} | {names[predicted[i]]} | "
+        lines.append(f"| {probs[i, predicted[i]]:.3f} | {_cell(names[enc.labels[i]])} | {_cell(names[predicted[i]])} | "
                      f"{_cell(review_text(enc, i, tokenizer))} |")
     return "\n".join(lines)
 
@@ -64,6 +64,7 @@ def review_text(enc: Encoded, i: int, tokenizer, chars: int = TEXT_CHARS) -> str
 
 
 def _cell(text: str) -> str:
+    """`text` as one markdown table cell: on one line, its bars escaped."""
     return " ".join(text.split()).replace("|", "\\|")
 
 
