@@ -80,6 +80,17 @@ def test_wrong_panel_keeps_its_columns_whatever_the_labels_hold():
     assert rows[0].startswith("| 0.900 | c d | a\\|b | ")
 
 
+def test_attention_figure_draws_dollar_signs_as_they_are():
+    from transformer_cli.report import png_bytes
+    from transformer_cli.tb_pictures import attention_figure
+
+    fig = attention_figure([np.eye(3)], ["[CLS]", "$", "$"], "true $$, predicted $$$ (0.900)")
+    assert png_bytes(fig)[:4] == b"\x89PNG"  # mathtext would fail on "$$" and "$$$"
+    title = fig._suptitle
+    assert title._preprocess_math(title.get_text()) == ("Attention, heads averaged: true $$, predicted $$$ (0.900)",
+                                                        False)
+
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_attention_maps_are_the_attention_the_model_applies(norm):
     torch.manual_seed(0)

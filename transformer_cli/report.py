@@ -89,6 +89,12 @@ figure {{ display: inline-block; margin: 1em; }} img {{ max-width: 36em; }}</sty
 # --------------------------------------------------------------------------- figures
 
 
+def plain(text: str) -> str:
+    """`text` (a label name, a token) drawn as it is: matplotlib reads text between two dollar signs as
+    math, and fails on what is no formula (labels "$", "$$", "$$$")."""
+    return text.replace("$", r"\$")
+
+
 def new_figure(width: float = 5.0, height: float = 4.0):
     from matplotlib.figure import Figure
 
@@ -121,8 +127,8 @@ def confusion_figure(confusion: np.ndarray, names: list[str]):
         for j in range(k):
             ax.text(j, i, f"{int(confusion[i, j])}", ha="center", va="center",
                     color="white" if share[i, j] > 0.5 else "black")
-    ax.set_xticks(range(k), names, rotation=45 if k > 4 else 0)
-    ax.set_yticks(range(k), names)
+    ax.set_xticks(range(k), [plain(n) for n in names], rotation=45 if k > 4 else 0)
+    ax.set_yticks(range(k), [plain(n) for n in names])
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("Confusion matrix")
@@ -170,7 +176,7 @@ def pr_figure(probs: np.ndarray, labels: np.ndarray, names: list[str]):
     ax = fig.add_subplot()
     for c, name in enumerate(names):
         precision, recall, ap = pr_curve(probs[:, c], labels == c)
-        ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{name} (AP {ap:.3f})")
+        ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{plain(name)} (AP {ap:.3f})")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recall")
