@@ -123,6 +123,9 @@ def test_report_folder_and_matplotlib_are_checked_first(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "file")), 2,
                          "--report", "is a file")
+    (tmp_path / "old" / "pr_curve.png").mkdir(parents=True)  # where a picture goes: found before the evaluation
+    assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "old")), 2,
+                         f"--report '{tmp_path / 'old' / 'pr_curve.png'}' is a directory")
     monkeypatch.setattr(report, "have_matplotlib", lambda: False)
     with pytest.raises(TfmError, match=r"pip install 'transformer-cli\[viz\]'"):
         report.check_report_dir(tmp_path / "rep")

@@ -35,8 +35,12 @@ def have_matplotlib() -> bool:
 
 
 def check_report_dir(path: str | Path) -> Path:
-    """`path` usable as the report's folder, and matplotlib there: checked before the evaluation runs."""
-    path = check_output_path(path, "--report", folder=True, hint="pass a folder for the report's pictures")
+    """`path` usable as the report's folder (and each of its files, where one is there already: not a
+    folder), and matplotlib there: checked before the evaluation runs."""
+    hint = "pass a folder for the report's pictures"
+    path = check_output_path(path, "--report", folder=True, hint=hint)
+    for name in [*PICTURES, REPORT_FILE]:
+        check_output_path(path / name, "--report", hint=f"remove it or {hint}")
     if not have_matplotlib():
         raise TfmError(f"--report {NEEDS_VIZ}")
     return path
