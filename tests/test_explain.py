@@ -222,3 +222,33 @@ def test_explain_refuses_a_wide_and_deep_model(synthetic_data_dir, tmp_path):
     train(tiny_config(synthetic_data_dir, out, model__ngram_buckets=64, train__max_steps=2), progress=False)
     assert_fails_cleanly(tfm("predict", "-c", out, "--explain", "good"), 1, "n-gram path")
     assert json.loads(tfm("predict", "-c", out, "--json", "good").stdout)["label"] in ("neg", "pos")
+
+
+def test_a_review_cut_to_the_models_length_is_shown_cut_where_it_was(trained_dir, tmp_path):
+    """A review longer than the model reads loses its middle (head_tail) or end (head): the display marks
+    the cut, and a word's continuation after it does not join the piece before it."""
+    from transformer_cli.explain import CUT_MARK, cut_positions, rich_text
+
+    _, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
+    limit = cfg.data.max_length - 1
+    assert tokenizer.encode("great", add_special_tokens=False).ids.__len__() == 1
+    texts = ["great " * limit, "great " * (limit + 1), "great " * 1000]
+    for truncation, head in (("head_tail", round(limit * cfg.data.head_fraction)), ("head", limit)):
+        data_cfg = dataclasses.replace(cfg.data, truncation=truncation)
+        assert cut_positions(tokenizer, texts, review_ids(tokenizer, texts, data_cfg), data_cfg) == [None, head, head]
+    assert display_pieces(["char", "##ged", "on"], cut=1) == [("", "char"), (" ", "ged"), (" ", "on")]
+    assert rich_text(["char", "##ged"], [0.0, 0.0], cut=1).plain == f"char {CUT_MARK} ged"
+    assert rich_text(["the", "end"], [0.0, 0.0], cut=2).plain == f"the end {CUT_MARK}"
+    assert rich_text(["the", "end"], [0.0, 0.0]).plain == "the end"
+
+    long = "I loved it. " + "The middle goes on and on. " * 60 + "A wonderful ending."
+    r = tfm("predict", "-c", trained_dir, "--explain", long, POSITIVE_TEXT)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.count(CUT_MARK) == 1 and "great wonderful film" in r.stdout
+    page = tmp_path / "page.html"
+    assert tfm("explain", "-c", trained_dir, "--html", page, long, POSITIVE_TEXT).exit_code == 0
+    content = page.read_text(encoding="utf-8")
+    assert content.count('class="cut"') == 1 and content.index('class="cut"') < content.index("<h2>2.")
+    parser = Spans()
+    parser.feed(content)
+    assert CUT_MARK not in "".join(parser.tokens)  # the mark is no token

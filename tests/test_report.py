@@ -81,6 +81,22 @@ def test_report_of_three_classes(tmp_path):
     assert page.by_id["temperature"] == "1.2500"
 
 
+@pytest.mark.parametrize("names", [["$", "$$", "$$$"], ["$0-$10", "$10-$20", r"$\alpha$"]])
+def test_label_names_are_drawn_as_they_are(tmp_path, names):
+    """Dollar signs are no math: price levels "$", "$$", "$$$" are labels that matplotlib's mathtext
+    cannot parse, and "$0-$10" would lose its dollars."""
+    metrics, probs, labels, lengths = three_class_outputs()
+    metrics["labels"] = names
+    report.write_report(tmp_path / "rep", metrics, probs, labels, lengths)
+    assert_complete_report(tmp_path / "rep")
+    fig = report.confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
+    report.png_bytes(fig)
+    ticks = fig.axes[0].get_xticklabels()
+    assert [t._preprocess_math(t.get_text()) for t in ticks] == [(n, False) for n in names]  # what is drawn
+    legend = report.pr_figure(probs, labels, names).axes[0].get_legend().get_texts()
+    assert [t._preprocess_math(t.get_text())[0].split(" (AP")[0] for t in legend] == names
+
+
 def test_pr_curve_against_thresholds_one_by_one():
     rng = np.random.default_rng(1)
     scores = rng.choice([0.1, 0.3, 0.5, 0.7, 0.9], 200)  # ties
@@ -107,6 +123,9 @@ def test_report_folder_and_matplotlib_are_checked_first(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "file")), 2,
                          "--report", "is a file")
+    (tmp_path / "old" / "pr_curve.png").mkdir(parents=True)  # where a picture goes: found before the evaluation
+    assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "old")), 2,
+                         f"--report '{tmp_path / 'old' / 'pr_curve.png'}' is a directory")
     monkeypatch.setattr(report, "have_matplotlib", lambda: False)
     with pytest.raises(TfmError, match=r"pip install 'transformer-cli\[viz\]'"):
         report.check_report_dir(tmp_path / "rep")

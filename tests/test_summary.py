@@ -93,3 +93,24 @@ def test_usage_errors():
     assert_fails_cleanly(tfm("inspect", "-c", "x", "--config", CONFIGS / "seed.toml"), 2, "one of the two")
     assert_fails_cleanly(tfm("inspect", "--config", CONFIGS / "seed.toml", "--text", " "), 2, "--text is empty")
     assert_fails_cleanly(tfm("inspect", "-c", "no/such/dir"), 1, "does not exist")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"model.ngram_buckets": 64}, {"model.pos_emb": "sinusoidal"}])
+def test_every_module_has_a_row_and_each_rows_parameters_are_its_childrens(overrides):
+    """The learned position embedding is read as a table, never called: it still has a row. The encoder
+    is not called either (the classifier calls its parts): it shows what goes in and comes out."""
+    model = model_from_config(load_config(CONFIGS / "tiny.toml", overrides))
+    s = summarize(model, sample_ids(SAMPLE_TEXT, model))
+    rows = {r.name: r for r in s.rows}
+    assert {name for name, _ in model.named_modules()} <= set(rows)
+    for name, module in model.named_modules():
+        children = [rows[f"{name}.{c}" if name else c] for c, _ in module.named_children()]
+        if children:
+            assert rows[name].params == sum(c.params for c in children), name
+    assert [r.name for r in s.rows].index("encoder.tok_emb") < [r.name for r in s.rows].index("encoder.blocks")
+    T = s.dims["T"]
+    assert rows["encoder"].input == [1, T] and rows["encoder"].output == [1, T, 32]
+    assert rows["encoder"].output_symbols == "(B, T, C)"
+    assert rows["encoder.blocks"].input == rows["encoder.blocks"].output == [1, T, 32]
+    if "model.pos_emb" not in overrides:
+        assert rows["encoder.pos_emb"].params == 64 * 32 and rows["encoder.pos_emb"].depth == 2

@@ -69,6 +69,28 @@ def test_wrong_panel_shows_the_most_confident_mistakes_first():
     assert wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars()).startswith("No validation review")
 
 
+def test_wrong_panel_keeps_its_columns_whatever_the_labels_hold():
+    """Label names are any text: a '|' in one must not split its cell (labels "a|b", "c d")."""
+    enc = Encoded(np.arange(4), np.array([0, 2, 4]), np.array([0, 1]))
+    panel = wrong_panel(np.array([[0.2, 0.8], [0.9, 0.1]]), enc, ["a|b", "c d"], Chars())
+    rows = [line for line in panel.splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row.replace("\\|", "").split("|")) == 6  # four cells between the bars
+    assert rows[0].startswith("| 0.900 | c d | a\\|b | ")
+
+
+def test_attention_figure_draws_dollar_signs_as_they_are():
+    from transformer_cli.report import png_bytes
+    from transformer_cli.tb_pictures import attention_figure
+
+    fig = attention_figure([np.eye(3)], ["[CLS]", "$", "$"], "true $$, predicted $$$ (0.900)")
+    assert png_bytes(fig)[:4] == b"\x89PNG"  # mathtext would fail on "$$" and "$$$"
+    title = fig._suptitle
+    assert title._preprocess_math(title.get_text()) == ("Attention, heads averaged: true $$, predicted $$$ (0.900)",
+                                                        False)
+
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_attention_maps_are_the_attention_the_model_applies(norm):
     torch.manual_seed(0)

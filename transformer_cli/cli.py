@@ -325,7 +325,7 @@ def predict(
 
                 from transformer_cli.explain import rich_text
 
-                Console(highlight=False).print(rich_text(e.tokens, e.attributions))
+                Console(highlight=False).print(rich_text(e.tokens, e.attributions, e.cut))
 
 
 def _explanations(checkpoint: Path, inputs: list[str], results: list[dict], device: str, steps: int | None) -> list:
@@ -486,7 +486,8 @@ def explain_reviews(
     explained = _explanations(checkpoint, inputs, results, device, ig_steps)
     from transformer_cli.explain import write_html
 
-    write_html(html, [{**r, "tokens": e.tokens, "attributions": e.attributions} for r, e in zip(results, explained)])
+    write_html(html, [{**r, "tokens": e.tokens, "attributions": e.attributions, "cut": e.cut}
+                      for r, e in zip(results, explained)])
     typer.echo(f"wrote {html} ({len(inputs)} review{'s' if len(inputs) != 1 else ''})")
 
 

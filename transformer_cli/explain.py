@@ -44,12 +44,28 @@ class Explained:
     tokens: list[str]  # the review's pieces as the model read them, without [CLS]
     attributions: list[float]  # each piece's contribution to the label's probability
     delta: float  # sum(attributions) - (p(review) - p(baseline)): the integral's error
+    cut: int | None = None  # a review longer than the model reads: how many of `tokens` come before the cut
 
 
 def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
     """Each text's (T,) ids as the model reads them: [CLS] + its truncated subword ids."""
     ids, offsets = encode_texts(tokenizer, texts, data_cfg.max_length, data_cfg.truncation, data_cfg.head_fraction)
     return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
+
+
+def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg) -> list[int | None]:
+    """Where each review (`ids`: review_ids' of `texts`) was cut to the model's length: None where it
+    was read whole, else how many of its pieces come before the cut (the head of data.truncation's
+    "head_tail"; all of them with "head": its end was cut)."""
+    limit = data_cfg.max_length - 1
+    head = limit if data_cfg.truncation == "head" else round(limit * data_cfg.head_fraction)
+    cuts: list[int | None] = []
+    for text, row in zip(texts, ids):
+        # a review that fills the model's length was cut if one more token would have been read
+        longer = len(row) - 1 == limit and encode_texts(tokenizer, [text], limit + 2, data_cfg.truncation,
+                                                        data_cfg.head_fraction)[1][1] > limit + 1
+        cuts.append(head if longer else None)
+    return cuts
 
 
 def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_STEPS,
@@ -91,10 +107,10 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_
 
 
 def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int = IG_STEPS,
-                temperature: float = 1.0) -> Explained:
+                temperature: float = 1.0, cut: int | None = None) -> Explained:
     attr, delta = integrated_gradients(model, ids, target, steps, temperature)
     tokens = [tokenizer.id_to_token(int(i)) for i in ids[1:]]
-    return Explained(tokens, [float(a) for a in attr[1:]], delta)
+    return Explained(tokens, [float(a) for a in attr[1:]], delta, cut)
 
 
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
@@ -106,8 +122,9 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
     if cfg.model.ngram_buckets:
         raise TfmError("explanations need the transformer alone; this model adds an n-gram path "
                        "(model.ngram_buckets > 0), whose scores do not go through the token embeddings")
-    return [explain_ids(model, tokenizer, ids, labels.index(p["label"]), steps or IG_STEPS, temperature)
-            for ids, p in zip(review_ids(tokenizer, texts, cfg.data), predictions)]
+    ids = review_ids(tokenizer, texts, cfg.data)
+    return [explain_ids(model, tokenizer, row, labels.index(p["label"]), steps or IG_STEPS, temperature, cut)
+            for row, p, cut in zip(ids, predictions, cut_positions(tokenizer, texts, ids, cfg.data))]
 
 
 # --------------------------------------------------------------------------- faithfulness
@@ -150,10 +167,21 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
 # --------------------------------------------------------------------------- showing them
 
 
-def display_pieces(tokens: list[str]) -> list[tuple[str, str]]:
-    """(space before, text) of each piece: a WordPiece continuation ("##ing") joins the piece before it."""
-    return [("" if t.startswith("##") and i else " " if i else "", t.removeprefix("##"))
+CUT_MARK = "\u2026"  # shown where a review longer than the model reads was cut
+
+
+def display_pieces(tokens: list[str], cut: int | None = None) -> list[tuple[str, str]]:
+    """(space before, text) of each piece: a WordPiece continuation ("##ing") joins the piece before it,
+    except across the `cut` (Explained.cut), where the two pieces were not neighbours in the review."""
+    return [("" if t.startswith("##") and i and i != cut else " " if i else "", t.removeprefix("##"))
             for i, t in enumerate(tokens)]
+
+
+def _cut_mark(i: int, n: int, cut: int | None) -> str:
+    """What stands before piece i of n (i == n: after the last) for a review cut at `cut`: the mark, spaced."""
+    if cut is None or i != cut:
+        return ""
+    return CUT_MARK + " " if i == 0 else " " + CUT_MARK
 
 
 def _strengths(attributions: list[float]) -> np.ndarray:
@@ -162,12 +190,14 @@ def _strengths(attributions: list[float]) -> np.ndarray:
     return a / peak if peak > 0 else np.zeros_like(a)
 
 
-def rich_text(tokens: list[str], attributions: list[float]):
-    """The review as a rich Text: green behind tokens that speak for the label, red against, by strength."""
+def rich_text(tokens: list[str], attributions: list[float], cut: int | None = None):
+    """The review as a rich Text: green behind tokens that speak for the label, red against, by strength;
+    a dim ellipsis where it was cut (`cut`: Explained.cut)."""
     from rich.text import Text
 
     text = Text()
-    for (space, piece), s in zip(display_pieces(tokens), _strengths(attributions)):
+    for i, ((space, piece), s) in enumerate(zip(display_pieces(tokens, cut), _strengths(attributions))):
+        text.append(_cut_mark(i, len(tokens), cut), style="dim")
         text.append(space)
         if abs(s) < 0.05:
             text.append(piece)
@@ -175,6 +205,7 @@ def rich_text(tokens: list[str], attributions: list[float]):
         fade = round(255 * (1 - abs(s)))
         rgb = (fade, 255, fade) if s > 0 else (255, fade, fade)
         text.append(piece, style=f"black on rgb({rgb[0]},{rgb[1]},{rgb[2]})")
+    text.append(_cut_mark(len(tokens), len(tokens), cut), style="dim")
     return text
 
 
@@ -194,8 +225,9 @@ LEGEND = ('<p class="legend"><span style="background: rgba(22,163,74,0.6)">for t
 
 def html_page(items: list[dict]) -> str:
     """One self-contained page (no external resource): each item's label, probability and tokens, each
-    token's background green (for the label) or red (against) by the strength of its attribution.
-    `items`: {"label", "score", "tokens", "attributions"}."""
+    token's background green (for the label) or red (against) by the strength of its attribution, and
+    an ellipsis where a review was cut. `items`: {"label", "score", "tokens", "attributions"} and
+    optionally "cut" (Explained.cut)."""
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>tfm explain</title>", f"<style>{PAGE_STYLE}</style></head><body>",
              "<h1>Why each review got its label</h1>",
@@ -203,14 +235,22 @@ def html_page(items: list[dict]) -> str:
     for n, item in enumerate(items, 1):
         parts.append(f"<section><h2>{n}. {html.escape(item['label'])} ({item['score']:.3f})</h2>"
                      '<p class="review">')
-        for (space, piece), s, a in zip(display_pieces(item["tokens"]), _strengths(item["attributions"]),
-                                        item["attributions"]):
+        tokens, cut = item["tokens"], item.get("cut")
+        for i, ((space, piece), s, a) in enumerate(zip(display_pieces(tokens, cut), _strengths(item["attributions"]),
+                                                       item["attributions"])):
+            parts.append(_cut_span(i, len(tokens), cut))
             colour = "22,163,74" if s > 0 else "220,38,38"
             parts.append(f'{space}<span class="t" style="background: rgba({colour},{abs(s):.3f})" '
                          f'title="{a:+.4f}">{html.escape(piece)}</span>')
-        parts.append("</p></section>")
+        parts.append(_cut_span(len(tokens), len(tokens), cut) + "</p></section>")
     parts.append("</body></html>\n")
     return "".join(parts)
+
+
+def _cut_span(i: int, n: int, cut: int | None) -> str:
+    mark = _cut_mark(i, n, cut)
+    return mark and (f'<span class="cut" title="the review was cut here, to the {n} tokens the model reads">'
+                     f"{html.escape(mark)}</span>")
 
 
 def write_html(path: Path, items: list[dict]) -> None:

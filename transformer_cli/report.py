@@ -35,8 +35,12 @@ def have_matplotlib() -> bool:
 
 
 def check_report_dir(path: str | Path) -> Path:
-    """`path` usable as the report's folder, and matplotlib there: checked before the evaluation runs."""
-    path = check_output_path(path, "--report", folder=True, hint="pass a folder for the report's pictures")
+    """`path` usable as the report's folder (and each of its files, where one is there already: not a
+    folder), and matplotlib there: checked before the evaluation runs."""
+    hint = "pass a folder for the report's pictures"
+    path = check_output_path(path, "--report", folder=True, hint=hint)
+    for name in [*PICTURES, REPORT_FILE]:
+        check_output_path(path / name, "--report", hint=f"remove it or {hint}")
     if not have_matplotlib():
         raise TfmError(f"--report {NEEDS_VIZ}")
     return path
@@ -89,6 +93,12 @@ figure {{ display: inline-block; margin: 1em; }} img {{ max-width: 36em; }}</sty
 # --------------------------------------------------------------------------- figures
 
 
+def plain(text: str) -> str:
+    """`text` (a label name, a token) drawn as it is: matplotlib reads text between two dollar signs as
+    math, and fails on what is no formula (labels "$", "$$", "$$$")."""
+    return text.replace("$", r"\$")
+
+
 def new_figure(width: float = 5.0, height: float = 4.0):
     from matplotlib.figure import Figure
 
@@ -121,8 +131,8 @@ def confusion_figure(confusion: np.ndarray, names: list[str]):
         for j in range(k):
             ax.text(j, i, f"{int(confusion[i, j])}", ha="center", va="center",
                     color="white" if share[i, j] > 0.5 else "black")
-    ax.set_xticks(range(k), names, rotation=45 if k > 4 else 0)
-    ax.set_yticks(range(k), names)
+    ax.set_xticks(range(k), [plain(n) for n in names], rotation=45 if k > 4 else 0)
+    ax.set_yticks(range(k), [plain(n) for n in names])
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("Confusion matrix")
@@ -170,7 +180,7 @@ def pr_figure(probs: np.ndarray, labels: np.ndarray, names: list[str]):
     ax = fig.add_subplot()
     for c, name in enumerate(names):
         precision, recall, ap = pr_curve(probs[:, c], labels == c)
-        ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{name} (AP {ap:.3f})")
+        ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{plain(name)} (AP {ap:.3f})")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recall")

@@ -122,6 +122,7 @@ def summarize(model: CTransformer, ids: torch.Tensor) -> Summary:
         if name.endswith(".qkv") and name.removesuffix(".qkv") in seen:
             rows += _attention_rows(name.removesuffix(".qkv"), layer.depth, shape_out, *seen[name.removesuffix(".qkv")],
                                     B * T)
+    rows = _with_unrun_modules(model, rows)
     _add_children_flops(rows)
     if stats.total_params != model.num_params():
         raise TfmError(f"torchinfo counted {stats.total_params} parameters but the model has {model.num_params()}")
@@ -171,6 +172,42 @@ def _attention_rows(name: str, depth: int, qkv: list[int], q: list[int], k: list
             matmul),
         Row(f"{name}.mix", "weights x v", depth, weights, q, "(B, H, T, T)", "(B, H, T, Dh)", None, matmul),
     ]
+
+
+def _with_unrun_modules(model: nn.Module, rows: list[Row]) -> list[Row]:
+    """`rows` with a row for each module that the forward pass read without calling it (torchinfo
+    records calls only: the learned position embedding, whose table is sliced), after its elder
+    siblings, so that the rows' parameters add up to their parent's; and a module that was not called
+    but whose children were (the encoder: the classifier calls its `embed` and `contextualize`) shows
+    what went in (its first child's input) and came out (its last child's output)."""
+    rows = list(rows)
+    shown = {r.name for r in rows}
+
+    def subtree_end(i: int) -> int:  # the index after row i and the rows below it
+        j = i + 1
+        while j < len(rows) and rows[j].depth > rows[i].depth:
+            j += 1
+        return j
+
+    previous: dict[str, str] = {}  # the module registered before each one under the same parent
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if name and name not in shown:
+            up = next(i for i, r in enumerate(rows) if r.name == parent)
+            elder = next((i for i, r in enumerate(rows) if r.name == previous.get(parent)), None)
+            rows.insert(up + 1 if elder is None else subtree_end(elder),
+                        Row(name, type(module).__name__, rows[up].depth + 1, None, None, None, None,
+                            sum(p.numel() for p in module.parameters()), 0.0))
+            shown.add(name)
+        if name:
+            previous[parent] = name
+    for i in reversed(range(len(rows))):
+        row, below = rows[i], rows[i + 1 : subtree_end(i)]
+        ran = [r for r in below if r.depth == row.depth + 1 and r.input is not None and r.output is not None]
+        if row.input is None and row.output is None and ran:
+            row.input, row.input_symbols = ran[0].input, ran[0].input_symbols
+            row.output, row.output_symbols = ran[-1].output, ran[-1].output_symbols
+    return rows
 
 
 def _linear_flops(module: nn.Module, out: list[int] | None) -> float:

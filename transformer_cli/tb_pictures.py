@@ -18,7 +18,7 @@ import torch
 from transformer_cli.calibration import softmax
 from transformer_cli.data import Encoded
 from transformer_cli.model import explicit_attention
-from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, rgb_array
+from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array
 
 WRONG_SHOWN = 10  # reviews in the confidently-wrong panel
 TEXT_CHARS = 300  # of each review shown there
@@ -52,7 +52,7 @@ def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, sh
     lines = [f"The {len(worst)} most confidently wrong of {len(wrong)} wrong validation reviews (of {len(enc)}):", "",
              "| probability | true | predicted | review |", "|---|---|---|---|"]
     for i in worst:
-        lines.append(f"| {probs[i, predicted[i]]:.3f} | {names[enc.labels[i]]} | {names[predicted[i]]} | "
+        lines.append(f"| {probs[i, predicted[i]]:.3f} | {_cell(names[enc.labels[i]])} | {_cell(names[predicted[i]])} | "
                      f"{_cell(review_text(enc, i, tokenizer))} |")
     return "\n".join(lines)
 
@@ -64,6 +64,7 @@ def review_text(enc: Encoded, i: int, tokenizer, chars: int = TEXT_CHARS) -> str
 
 
 def _cell(text: str) -> str:
+    """`text` as one markdown table cell: on one line, its bars escaped."""
     return " ".join(text.split()).replace("|", "\\|")
 
 
@@ -130,12 +131,12 @@ def attention_figure(maps: list[np.ndarray], tokens: list[str], title: str):
     cols = min(n, 3)
     rows = -(-n // cols)
     fig = new_figure(cols * size + 0.5, rows * size + 0.6)
-    fig.suptitle(f"Attention, heads averaged: {title}")
+    fig.suptitle(f"Attention, heads averaged: {plain(title)}")
     for layer, att in enumerate(maps):
         ax = fig.add_subplot(rows, cols, layer + 1)
         ax.imshow(att, cmap="viridis", vmin=0)
-        ax.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=6)
-        ax.set_yticks(range(len(tokens)), tokens, fontsize=6)
+        ax.set_xticks(range(len(tokens)), [plain(t) for t in tokens], rotation=90, fontsize=6)
+        ax.set_yticks(range(len(tokens)), [plain(t) for t in tokens], fontsize=6)
         ax.set_title(f"layer {layer + 1}", fontsize=9)
     return fig
 
