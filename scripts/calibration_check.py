@@ -33,7 +33,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     def logits_of(split: str):
-        enc = prepare_eval_data(cfg.data, tokenizer, split, None, cfg.train.seed)
+        enc = prepare_eval_data(cfg.data, tokenizer, split, None, cfg.train.seed, labels)  # ids of the model's classes
         return all_logits(model, enc, rt, cfg.train.eval_batch_size, len(labels)), enc.labels
 
     val_logits, val_labels = logits_of("validation")

@@ -458,6 +458,38 @@ def test_an_empty_file_in_a_dataset_folder_is_named(tmp_path, content):
         load_splits(cfg_for(tmp_path), ("train",))
 
 
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("u.jsonl", "", "is empty"),
+    ("u.csv", "text,label\n", "has a header line but no rows"),
+    ("u.parquet", None, "has no rows"),
+], ids=["jsonl", "csv-header", "parquet"])
+def test_a_data_file_without_rows_is_named(tmp_path, name, content, message):
+    """Named files, and a folder's (a split of a README's configs): the file and what to do, not datasets'
+    "StopIteration" or "corresponds to no data"."""
+    path = tmp_path / name
+    if content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": pa.array([], pa.string()), "label": pa.array([], pa.int64())}), path)
+    else:
+        path.write_text(content, encoding="utf-8")
+    for source in (f"test={path}", str(path)):
+        with pytest.raises(UsageError, match=f"data file '{re.escape(str(path))}' {message}: fill it or remove it"):
+            data_mod.open_text_source(source)
+    from datasets import Dataset
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    train = folder / f"train{path.suffix}"
+    getattr(Dataset.from_list(make_examples(20, seed=1)), f"to_{path.suffix[1:].replace('jsonl', 'json')}")(train)
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                      f"  - {{split: train, path: {train.name}}}\n"
+                                      f"  - {{split: unsupervised, path: ../{name}}}\n---\n", encoding="utf-8")
+    with pytest.raises(UsageError, match=f"{message}: fill it or remove it"):
+        data_mod.open_text_source(str(folder))
+
+
 def test_empty_files_that_are_no_split_of_a_dataset_folder_do_not_matter(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", make_examples(20, seed=1))
     (tmp_path / "notes.txt").write_text("", encoding="utf-8")

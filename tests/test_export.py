@@ -108,3 +108,5 @@ def test_export_refuses_a_bad_directory_or_output(trained_dir, tmp_path):
     (tmp_path / "d.onnx").mkdir()
     assert_fails_cleanly(tfm("export", "-c", trained_dir, "-o", tmp_path / "d.onnx"), 2, "is a directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx"]
+    assert tfm("export", "-c", trained_dir, "-o", tmp_path / "M.ONNX").exit_code == 0  # the suffix in any case
+    assert OnnxClassifier(tmp_path / "M.ONNX").tokenizer.get_vocab_size() > 0 and (tmp_path / "M.tokenizer.json").is_file()

@@ -55,6 +55,28 @@ def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch
     assert summary["per_class"] == {"neg": 3, "pos": 0}
 
 
+def test_teachers_that_list_their_classes_in_other_orders_average_them_by_name(trained_dir, tmp_path, monkeypatch):
+    """A teacher whose dataset named its classes pos, neg (e.g. a ClassLabel) shares them with one of neg,
+    pos: its probabilities are averaged class by class, in the first teacher's order."""
+    from datasets import Dataset
+
+    from transformer_cli import pseudo
+
+    texts = ["first review", "second review"]
+    monkeypatch.setattr(pseudo, "split_table", lambda *_: Dataset.from_dict({"text": texts}))
+    real = pseudo.load_for_inference
+    loaded = iter([real(trained_dir, "cpu", None), real(trained_dir, "cpu", None)._replace(labels=["pos", "neg"])])
+    monkeypatch.setattr(pseudo, "load_for_inference", lambda *a: next(loaded))
+    # the first teacher's columns are (neg, pos), the second's (pos, neg)
+    answers = iter([np.array([[0.9, 0.1], [0.3, 0.7]]), np.array([[0.3, 0.7], [0.9, 0.1]])])
+    monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
+    out = tmp_path / "p.jsonl"
+    summary = pseudo.pseudo_label([trained_dir, tmp_path / "other"], out)
+    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.8},
+                               {"text": "second review", "label": "pos", "score": 0.8}]
+    assert summary["per_class"] == {"neg": 1, "pos": 1}
+
+
 def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unlabelled, tmp_path, monkeypatch):
     """With chunks of 7 reviews the model never sees more than 7 at once, and the file says what it says
     when the whole split is one chunk. A failure midway leaves the earlier file as it was."""

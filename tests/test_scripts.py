@@ -373,3 +373,32 @@ def test_reproduce_refuses_the_gpu_pair_for_self_training(tmp_path):
                 "--recipes", "self-trained", "--pair", "gpu"])
     assert done.returncode == 2 and "no GPU recipe" in done.stderr
     assert not tmp_path.joinpath("pretrain").exists()
+
+
+def test_calibration_check_reads_labels_as_the_models_classes(model_dir, synthetic_data_dir, tmp_path, monkeypatch,
+                                                              capsys):
+    """On a test split of one class, the script's accuracy and NLL are `tfm evaluate`'s: the split's labels
+    are numbered by the model's classes, not by the few the split holds."""
+    import shutil
+
+    from conftest import read_jsonl, write_jsonl
+
+    from transformer_cli.evaluate import evaluate_checkpoint
+
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copyfile(synthetic_data_dir / "train.jsonl", data / "train.jsonl")
+    write_jsonl(data / "test.jsonl", [r for r in read_jsonl(synthetic_data_dir / "test.jsonl") if r["label"] == 1])
+    meta = json.loads((model_dir / "config.json").read_text())
+    meta["data"]["source"] = str(data)
+    (model_dir / "config.json").write_text(json.dumps(meta))
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from calibration_check import main
+
+    monkeypatch.setattr(sys, "argv", ["calibration_check.py", str(model_dir)])
+    main()
+    out = json.loads(capsys.readouterr().out)
+    expected = evaluate_checkpoint(model_dir, device="cpu")
+    assert out["num_examples"] == expected["num_examples"] == 100
+    assert out["test_accuracy"] == pytest.approx(expected["accuracy"]) and expected["accuracy"] > 0.5
+    assert out["test_nll_after"] == pytest.approx(expected["loss"], abs=1e-6)

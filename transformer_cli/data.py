@@ -152,9 +152,7 @@ def open_dataset(source: str):
         if not Path(source).is_dir():
             raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH") \
                 from None
-        for f in source_files(source):  # datasets says only that a split "corresponds to no data"
-            if f.is_file() and f.stat().st_size <= 4096 and not f.read_bytes().strip():
-                raise UsageError(f"data file '{f}' is empty: fill it or remove it") from None
+        refuse_empty_files(source_files(source))  # datasets says only that a split "corresponds to no data"
         raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); check its data files (one per "
                        "split, e.g. train.csv and test.csv)") from None
 
@@ -176,10 +174,35 @@ def open_dataset_files(files: dict[str, str]):
     try:
         return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
+        refuse_empty_files(files.values())  # datasets says "corresponds to no data", or "StopIteration"
         cause, hint = cause_line(e), ""
         if "codec can't decode" in cause:
             hint = "; save the file as UTF-8"
         raise TfmError(f"could not read {', '.join(files.values())}: {cause}{hint}") from None
+
+
+def refuse_empty_files(files: Iterable[str | Path]) -> None:
+    """A UsageError naming the first of `files` that holds no rows: blank, a CSV/TSV header alone, or a
+    Parquet file of none."""
+    for f in map(Path, files):
+        if not f.is_file():
+            continue
+        suffix = f.suffix.lower()
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                rows = pq.ParquetFile(f).metadata.num_rows
+            except Exception:  # noqa: BLE001 (pyarrow's errors for a damaged file; the caller names it)
+                rows = None
+            if rows == 0:
+                raise UsageError(f"data file '{f}' has no rows: fill it or remove it") from None
+        elif f.stat().st_size <= 4096:
+            lines = [line for line in f.read_bytes().splitlines() if line.strip()]
+            if not lines:
+                raise UsageError(f"data file '{f}' is empty: fill it or remove it") from None
+            if len(lines) == 1 and suffix in (".csv", ".tsv"):
+                raise UsageError(f"data file '{f}' has a header line but no rows: fill it or remove it") from None
 
 
 def open_text_source(source: str):

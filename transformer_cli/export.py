@@ -44,7 +44,7 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     """Write `output` (.onnx) and its tokenizer beside it; returns what was written and the check's
     largest logit difference."""
     output = Path(output)
-    if output.suffix != ".onnx":
+    if output.suffix.lower() != ".onnx":
         raise UsageError(f"--output '{output}' must name a .onnx file")
     tokenizer_file = output.with_name(output.stem + ".tokenizer.json")
     check_output_path(output, "--output", hint="pass a file name ending in .onnx")

@@ -4,7 +4,7 @@ Self-training: a model fine-tuned on the labelled reviews labels the unlabelled 
 IMDB's `unsupervised` split), and a new model trains on both (`tfm train data.pseudo_labels=FILE`),
 keeping the pseudo-labels its teacher was sure of (`data.pseudo_min_score`). The student is still
 the transformer alone: the teachers are `tfm train` runs too. Several teachers average their
-calibrated probabilities.
+calibrated probabilities, class by class (by name: their classes may be listed in different orders).
 
 The file is JSON lines, one per review in the split's order: {"text", "label", "score"}, where
 score is the (averaged) probability of the label. Validation and test labels are never read. The
@@ -83,9 +83,10 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
     loaded = [load_for_inference(t, device, precision) for t in teachers]  # every teacher checked before the work
     labels = loaded[0].labels
     for t, other in zip(teachers[1:], (m.labels for m in loaded[1:])):
-        if other != labels:
+        if sorted(other) != sorted(labels):
             raise TfmError(f"teacher '{t}' has classes {', '.join(other)}, but '{teachers[0]}' has "
                            f"{', '.join(labels)}; teachers must share their classes")
+    columns = [[m.labels.index(name) for name in labels] for m in loaded]  # each teacher's in the first's order
     column, source = loaded[0].cfg.data.text_column, data or loaded[0].cfg.data.source
     check_output(output, source, force)  # before the split is read
     table = split_table(source, split, column, max_samples)
@@ -94,10 +95,10 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
     with atomic_writer(output) as f:
         for texts in text_chunks([table], column, CHUNK_TEXTS):
             probs = np.zeros((len(texts), len(labels)))
-            for rt, model, cfg, tokenizer, _, temperature in loaded:
+            for (rt, model, cfg, tokenizer, _, temperature), order in zip(loaded, columns):
                 d = cfg.data
                 probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
-                                       batch_size, temperature)
+                                       batch_size, temperature)[:, order]
             probs /= len(teachers)
             winner, score = probs.argmax(1), probs.max(1)
             f.write("".join(json.dumps({"text": text, "label": labels[k], "score": round(float(p), 6)}) + "\n"
