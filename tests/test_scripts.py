@@ -40,6 +40,27 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
     assert [line for line in again.stdout.splitlines() if line.startswith("| default |")] == rows
 
 
+def test_reproduce_names_a_failed_step_keeps_finished_runs_and_exits_with_its_code(synthetic_data_dir, tmp_path):
+    data = tmp_path / "data"  # training works; evaluating the test split fails (a review without a label)
+    data.mkdir()
+    (data / "train.jsonl").write_text((synthetic_data_dir / "train.jsonl").read_text())
+    (data / "test.jsonl").write_text('{"text": "a review without a label"}\n')
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(data), "--out", str(runs),
+           "--recipes", "default", "--seeds", "1", "--", *SHRINK]
+    done = run(cmd)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("reproduce_imdb: error: `tfm evaluate -c ") and "failed with exit code 1" in last
+    assert "are kept" in last
+    out = runs / "default-s1"
+    assert (out / "metrics.json").exists() and not (out / "test.json").exists()
+    assert not (out / "test.json.tmp").exists()  # no partial file
+    usage = run([*cmd[:3], str(tmp_path / "missing"), "--out", str(tmp_path / "new"), *cmd[6:]])  # tfm's 2
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert "`tfm train --data " in usage.stderr.strip().splitlines()[-1]
+
+
 def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):
     import torch
     from conftest import one_at_a_time_logits, tiny_config
