@@ -43,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import _bench_common as bc
 
+from transformer_cli.errors import TfmError
+
 MAX_BODY = 100_000  # the server's --max-body-bytes here: an oversized bad request stays cheap to send
 MAX_TEXTS = 64
 
@@ -63,7 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     args = p.parse_args(argv)
-    args.levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r}: give client counts separated by commas, e.g. 1,8,32")
     if min(args.levels) < 1 or args.requests < 1 or args.texts < 1 or not 1 <= args.texts_per_request <= MAX_TEXTS:
         p.error(f"--concurrency, --requests and --texts must be positive; --texts-per-request 1 to {MAX_TEXTS}")
     return args
@@ -317,4 +322,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except TfmError as e:
+        print(f"loadtest_serve: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

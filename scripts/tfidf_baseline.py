@@ -12,9 +12,12 @@ Needs scikit-learn, which tfm itself does not: `pip install scikit-learn`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
+
+from transformer_cli.errors import TfmError
 
 
 def main() -> None:
@@ -25,8 +28,11 @@ def main() -> None:
     ap.add_argument("--C", type=float, default=10.0, help="inverse regularisation strength")
     args = ap.parse_args()
 
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
+    try:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+    except ImportError:
+        raise TfmError("this baseline needs scikit-learn, which tfm does not: pip install scikit-learn") from None
 
     from transformer_cli.config import DataConfig
     from transformer_cli.data import load_splits, stratified_split
@@ -49,4 +55,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TfmError as e:
+        print(f"tfidf_baseline: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -97,6 +97,18 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
+@pytest.mark.parametrize("script", [["calibration_check.py", "{run}"], ["faithfulness.py", "-c", "{run}"],
+                                    ["loadtest_serve.py", "-c", "{run}"], ["tfidf_baseline.py", "--data", "{run}"]])
+def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):
+    """(tfidf_baseline.py says so about scikit-learn first where it is not installed)"""
+    missing = str(tmp_path / "nothing")
+    done = run([sys.executable, str(REPO / "scripts" / script[0]), *(a.format(run=missing) for a in script[1:])])
+    name = script[0].removesuffix(".py")
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"{name}: error: ") and ("nothing" in line or "scikit-learn" in line)
+
+
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from _bench_common import forward_flops
