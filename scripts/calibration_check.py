@@ -40,9 +40,9 @@ def main() -> None:
 
     val_logits, val_labels = logits_of("validation")
     cal = calibrate(val_logits, val_labels)
-    if args.save:
-        save_calibration(args.model_dir, cal)
     logits, y = logits_of(args.split)
+    if args.save:  # only once every split was read: a failed run changes nothing
+        save_calibration(args.model_dir, cal)
     t = cal["temperature"]
     out = {
         "model_dir": args.model_dir, "split": args.split, "num_examples": len(y), "temperature": t,

@@ -109,6 +109,26 @@ def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):
     assert line.startswith(f"{name}: error: ") and ("nothing" in line or "scikit-learn" in line)
 
 
+def test_calibration_check_saves_nothing_when_it_fails(trained_dir, synthetic_data_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    config = model / "config.json"
+    meta = json.loads(config.read_text())
+    meta.pop("calibration", None)  # a model trained without train.calibrate
+    config.write_text(json.dumps(meta))
+    before = config.read_bytes()
+    cmd = [sys.executable, str(REPO / "scripts" / "calibration_check.py"), str(model), "--save"]
+    bad = run([*cmd, "--split", "nosuchsplit"])  # the validation split is scored, then this one fails
+    assert bad.returncode == 2 and "no 'nosuchsplit' split" in bad.stderr
+    assert config.read_bytes() == before
+    done = run([*cmd, "--split", "test"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert json.loads(config.read_text())["calibration"] == result["validation"]
+
+
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from _bench_common import forward_flops
