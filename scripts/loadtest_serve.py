@@ -43,8 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 import _bench_common as bc
 
-from transformer_cli.errors import TfmError
-
 MAX_BODY = 100_000  # the server's --max-body-bytes here: an oversized bad request stays cheap to send
 MAX_TEXTS = 64
 
@@ -322,8 +320,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except TfmError as e:
-        print(f"loadtest_serve: error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+    bc.run_script(main)

@@ -109,6 +109,22 @@ def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):
     assert line.startswith(f"{name}: error: ") and ("nothing" in line or "scikit-learn" in line)
 
 
+@pytest.mark.parametrize(("script", "code"), [
+    (["bench_infer.py", "-c", "{missing}", "--skip-cold-start"], 1), (["bench_onnx.py", "-c", "{missing}"], 1),
+    (["bench_train.py", "--mode", "imdb", "--data", "{missing}", "--variants", "a", "--steps", "1"], 2),
+    (["bench_data.py", "--data", "{missing}"], 2),  # the error of its child process
+    (["bench_pretrain.py", "--config", "{missing}.toml"], 2),
+    (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2)])
+def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
+    missing = str(tmp_path / "nothing")
+    done = run([sys.executable, str(REPO / "scripts" / "bench" / script[0]),
+                *(a.format(missing=missing) for a in script[1:])])
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]  # (a usage error prints the usage first, as argparse does)
+    assert last.startswith((script[0].removesuffix(".py") + ": error: ", f"{script[0]}: error: "))
+    assert "nothing" in last or "must be" in last
+
+
 def test_calibration_check_saves_nothing_when_it_fails(trained_dir, synthetic_data_dir, tmp_path):
     import shutil
 
