@@ -125,6 +125,27 @@ def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     assert "nothing" in last or "must be" in last
 
 
+def test_tfidf_baseline_fits_and_validates_on_what_tfm_train_does(synthetic_data_dir, tmp_path, monkeypatch):
+    from conftest import make_examples, write_jsonl
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from tfidf_baseline import splits  # (the fit itself needs scikit-learn, which tfm does not)
+
+    from transformer_cli.config import DataConfig
+    from transformer_cli.data import prepare_train_data
+
+    held_out = splits(str(synthetic_data_dir), 7, 1)  # no validation split: 10% of train held out, as tfm train does
+    prepared = prepare_train_data(DataConfig(source=str(synthetic_data_dir), vocab_size=300), 7)
+    assert [len(s) for s in held_out] == [len(prepared.train), len(prepared.val), 200] == [360, 40, 200]
+    data = tmp_path / "with-validation"
+    data.mkdir()
+    for split, n, seed in (("train", 300, 1), ("validation", 60, 2), ("test", 50, 3)):
+        write_jsonl(data / f"{split}.jsonl", make_examples(n, seed=seed))
+    train, val, test = splits(str(data), 7, 1)  # tfm train trains on all of train, validates on validation
+    assert (len(train), len(val), len(test)) == (300, 60, 50)
+    assert val.texts == [row["text"] for row in make_examples(60, seed=2)]
+
+
 def test_calibration_check_saves_nothing_when_it_fails(trained_dir, synthetic_data_dir, tmp_path):
     import shutil
 
