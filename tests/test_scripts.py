@@ -166,6 +166,32 @@ def test_calibration_check_saves_nothing_when_it_fails(trained_dir, synthetic_da
     assert json.loads(config.read_text())["calibration"] == result["validation"]
 
 
+def test_screenshot_replaces_an_image_only_with_the_one_the_browser_wrote(tmp_path):
+    import os
+
+    bin_dir, page, png = tmp_path / "bin", tmp_path / "page.html", tmp_path / "docs" / "page.png"
+    bin_dir.mkdir()
+    page.write_text("<html><body>a review</body></html>")
+    png.parent.mkdir()
+    png.write_bytes(b"the image from before")
+    browser = bin_dir / "chromium"  # found first on PATH: a stand-in that writes what it is told to
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def screenshot(script: str) -> subprocess.CompletedProcess:
+        browser.write_text("#!/bin/sh\n" + script)
+        browser.chmod(0o755)
+        cmd = [sys.executable, str(REPO / "scripts" / "screenshot.py"), str(page), str(png)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env=env)
+
+    silent = screenshot("exit 0\n")  # exits without an error, writes nothing
+    assert silent.returncode == 1 and silent.stderr.strip() == f"screenshot: error: chromium wrote no image to '{png}'"
+    failed = screenshot("echo 'no display' >&2; exit 3\n")
+    assert failed.returncode == 1 and failed.stderr.strip() == "screenshot: error: chromium exited with 3: no display"
+    assert png.read_bytes() == b"the image from before" and os.listdir(png.parent) == ["page.png"]
+    done = screenshot('for a; do case "$a" in --screenshot=*) printf new > "${a#--screenshot=}";; esac; done\n')
+    assert done.returncode == 0 and png.read_bytes() == b"new" and os.listdir(png.parent) == ["page.png"]
+
+
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
     from _bench_common import forward_flops
