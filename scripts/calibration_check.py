@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 from transformer_cli.calibration import calibrate, expected_calibration_error, save_calibration, softmax
 from transformer_cli.data import prepare_eval_data
+from transformer_cli.errors import TfmError
 from transformer_cli.evaluate import all_logits, load_for_inference
 
 
@@ -38,9 +40,9 @@ def main() -> None:
 
     val_logits, val_labels = logits_of("validation")
     cal = calibrate(val_logits, val_labels)
-    if args.save:
-        save_calibration(args.model_dir, cal)
     logits, y = logits_of(args.split)
+    if args.save:  # only once every split was read: a failed run changes nothing
+        save_calibration(args.model_dir, cal)
     t = cal["temperature"]
     out = {
         "model_dir": args.model_dir, "split": args.split, "num_examples": len(y), "temperature": t,
@@ -56,4 +58,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TfmError as e:
+        print(f"calibration_check: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
 import torch
+
+from transformer_cli.errors import TfmError
 
 
 def main() -> None:
@@ -54,4 +57,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TfmError as e:
+        print(f"faithfulness: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -63,7 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     args = p.parse_args(argv)
-    args.levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency {args.concurrency!r}: give client counts separated by commas, e.g. 1,8,32")
     if min(args.levels) < 1 or args.requests < 1 or args.texts < 1 or not 1 <= args.texts_per_request <= MAX_TEXTS:
         p.error(f"--concurrency, --requests and --texts must be positive; --texts-per-request 1 to {MAX_TEXTS}")
     return args
@@ -317,4 +320,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    bc.run_script(main)

@@ -20,7 +20,8 @@ configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-s
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
 repeated, so the script can be stopped and started again; an interrupted training is resumed. The
-command that trained a run is kept in its folder as command.txt, and the table shows that one.
+command that trained a run is kept in its folder as command.txt, and the table shows that one. If a
+`tfm` step fails, the script stops with one line that names it and exits with its exit code.
 
     python scripts/reproduce_imdb.py --data ../shared/data/imdb                  # everything
     python scripts/reproduce_imdb.py --data ../shared/data/imdb --recipes pretrained scratch --seeds 1337 1 2
@@ -59,9 +60,19 @@ PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml",
 COMMAND_FILE = "command.txt"
 
 
+class StepFailed(Exception):
+    """A `tfm` command exited with an error (it said why on stderr)."""
+
+    def __init__(self, cmd: list[str], code: int):
+        super().__init__(cmd, code)
+        self.cmd, self.code = cmd, code
+
+
 def run(cmd: list[str], stdout=None) -> None:
     print("$", shlex.join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=stdout)
+    code = subprocess.run(cmd, check=False, stdout=stdout).returncode
+    if code != 0:
+        raise StepFailed(cmd, code)
 
 
 TFM = [sys.executable, "-m", "transformer_cli"]
@@ -130,8 +141,12 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
     trained(train_cmd, out)
     if not test_json.exists():
         tmp = test_json.with_suffix(".json.tmp")
-        with open(tmp, "w") as f:
-            run([*TFM, "evaluate", "-c", str(out), "--data", data, "--split", "test", "--json"], stdout=f)
+        try:
+            with open(tmp, "w") as f:
+                run([*TFM, "evaluate", "-c", str(out), "--data", data, "--split", "test", "--json"], stdout=f)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no partial test JSON left behind
+            raise
         tmp.replace(test_json)
     metrics = json.loads((out / "metrics.json").read_text())
     test = json.loads(test_json.read_text())
@@ -144,7 +159,7 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
     }
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="stanfordnlp/imdb", help="dataset for tfm (Hub id or local copy)")
     ap.add_argument("--out", type=Path, default=Path("runs/repro"), help="folder for the runs")
@@ -160,8 +175,18 @@ def main() -> None:
 
     t0 = time.time()
     pretraining = {"pretrained", "self-trained"} & set(args.recipes)
-    encoder = pretrained_encoder(args.data, args.out, args.extra, args.pair) if pretraining else None
-    rows = [one(r, s, args.data, args.out, args.extra, args.pair) for r in args.recipes for s in args.seeds]
+    try:
+        encoder = pretrained_encoder(args.data, args.out, args.extra, args.pair) if pretraining else None
+        rows = [one(r, s, args.data, args.out, args.extra, args.pair) for r in args.recipes for s in args.seeds]
+    except StepFailed as e:
+        code = e.code if e.code > 0 else 128 - e.code  # killed by signal N: 128 + N, as a shell reports it
+        print(f"reproduce_imdb: error: `{shlex.join(['tfm', *e.cmd[len(TFM):]])}` failed with exit code {code}; "
+              f"the finished runs in {args.out} are kept: run this script again to go on", file=sys.stderr)
+        return code
+    except KeyboardInterrupt:  # the tfm step was told too, and keeps what it had done
+        print(f"reproduce_imdb: interrupted; the finished runs in {args.out} are kept and an unfinished "
+              "training resumes: run this script again to go on", file=sys.stderr)
+        return 130
     if args.results_dir:
         args.results_dir.mkdir(parents=True, exist_ok=True)
         for row in rows:
@@ -182,7 +207,8 @@ def main() -> None:
         if len(tests) > 1:
             print(f"\n{recipe}: test accuracy {statistics.mean(tests):.2%} ± {statistics.stdev(tests):.2%} "
                   f"(mean ± sample std over {len(tests)} seeds)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """The classical baseline on tfm's own split: TF-IDF (word 1-2 grams, sublinear tf) + logistic regression.
 
-Fits on the same 90% of the train split that `tfm train` trains on (same stratified split, same
-seed), and prints accuracy on the held-out validation part and on the test split, so that a
-transformer's validation figure can be read against the baseline's.
+Fits on the reviews `tfm train` trains on and prints accuracy on those it validates on (the
+dataset's validation split if it has one, else the same stratified part held out of train, same
+seed) and on the test split, so that a transformer's validation figure can be read against the
+baseline's.
 
 Needs scikit-learn, which tfm itself does not: `pip install scikit-learn`.
 
@@ -12,9 +13,22 @@ Needs scikit-learn, which tfm itself does not: `pip install scikit-learn`.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
+
+from transformer_cli.errors import TfmError
+
+
+def splits(data: str, seed: int, val_block: int) -> tuple:
+    """(train, validation, test) as `tfm train --seed SEED data.val_block=VAL_BLOCK` would have them."""
+    from transformer_cli.config import DataConfig
+    from transformer_cli.data import load_splits, train_val_splits
+
+    cfg = DataConfig(source=data, val_block=val_block)
+    train, val, label_names, _ = train_val_splits(cfg, seed, ("test",))
+    return train, val, load_splits(cfg, ("test",), label_names=label_names)[0]["test"]
 
 
 def main() -> None:
@@ -25,16 +39,13 @@ def main() -> None:
     ap.add_argument("--C", type=float, default=10.0, help="inverse regularisation strength")
     args = ap.parse_args()
 
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.linear_model import LogisticRegression
+    try:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+    except ImportError as e:  # (e says which module: scikit-learn itself, or one it needs)
+        raise TfmError(f"this baseline needs scikit-learn, which tfm does not (pip install scikit-learn): {e}") from None
 
-    from transformer_cli.config import DataConfig
-    from transformer_cli.data import load_splits, stratified_split
-
-    cfg = DataConfig(source=args.data, val_block=args.val_block)
-    raw, _ = load_splits(cfg, ("train", "test"))
-    train_idx, val_idx = stratified_split(raw["train"].labels, cfg.val_size, args.seed, cfg.val_block)
-    train, val, test = raw["train"].subset(train_idx), raw["train"].subset(val_idx), raw["test"]
+    train, val, test = splits(args.data, args.seed, args.val_block)
 
     t0 = time.perf_counter()
     vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
@@ -49,4 +60,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except TfmError as e:
+        print(f"tfidf_baseline: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -40,6 +40,27 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
     assert [line for line in again.stdout.splitlines() if line.startswith("| default |")] == rows
 
 
+def test_reproduce_names_a_failed_step_keeps_finished_runs_and_exits_with_its_code(synthetic_data_dir, tmp_path):
+    data = tmp_path / "data"  # training works; evaluating the test split fails (a review without a label)
+    data.mkdir()
+    (data / "train.jsonl").write_text((synthetic_data_dir / "train.jsonl").read_text())
+    (data / "test.jsonl").write_text('{"text": "a review without a label"}\n')
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(data), "--out", str(runs),
+           "--recipes", "default", "--seeds", "1", "--", *SHRINK]
+    done = run(cmd)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("reproduce_imdb: error: `tfm evaluate -c ") and "failed with exit code 1" in last
+    assert "are kept" in last
+    out = runs / "default-s1"
+    assert (out / "metrics.json").exists() and not (out / "test.json").exists()
+    assert not (out / "test.json.tmp").exists()  # no partial file
+    usage = run([*cmd[:3], str(tmp_path / "missing"), "--out", str(tmp_path / "new"), *cmd[6:]])  # tfm's 2
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert "`tfm train --data " in usage.stderr.strip().splitlines()[-1]
+
+
 def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir, tmp_path):
     import torch
     from conftest import one_at_a_time_logits, tiny_config
@@ -74,6 +95,101 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     assert refused.returncode == 1 and "without an n-gram path" in refused.stderr
     missing = run([*cmd[:2], str(tmp_path / "nothing")])
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
+@pytest.mark.parametrize("script", [["calibration_check.py", "{run}"], ["faithfulness.py", "-c", "{run}"],
+                                    ["loadtest_serve.py", "-c", "{run}"], ["tfidf_baseline.py", "--data", "{run}"]])
+def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):
+    """(tfidf_baseline.py says so about scikit-learn first where it is not installed)"""
+    missing = str(tmp_path / "nothing")
+    done = run([sys.executable, str(REPO / "scripts" / script[0]), *(a.format(run=missing) for a in script[1:])])
+    name = script[0].removesuffix(".py")
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"{name}: error: ") and ("nothing" in line or "scikit-learn" in line)
+
+
+@pytest.mark.parametrize(("script", "code"), [
+    (["bench_infer.py", "-c", "{missing}", "--skip-cold-start"], 1), (["bench_onnx.py", "-c", "{missing}"], 1),
+    (["bench_train.py", "--mode", "imdb", "--data", "{missing}", "--variants", "a", "--steps", "1"], 2),
+    (["bench_data.py", "--data", "{missing}"], 2),  # the error of its child process
+    (["bench_pretrain.py", "--config", "{missing}.toml"], 2),
+    (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2)])
+def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
+    missing = str(tmp_path / "nothing")
+    done = run([sys.executable, str(REPO / "scripts" / "bench" / script[0]),
+                *(a.format(missing=missing) for a in script[1:])])
+    assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]  # (a usage error prints the usage first, as argparse does)
+    assert last.startswith((script[0].removesuffix(".py") + ": error: ", f"{script[0]}: error: "))
+    assert "nothing" in last or "must be" in last
+
+
+def test_tfidf_baseline_fits_and_validates_on_what_tfm_train_does(synthetic_data_dir, tmp_path, monkeypatch):
+    from conftest import make_examples, write_jsonl
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    from tfidf_baseline import splits  # (the fit itself needs scikit-learn, which tfm does not)
+
+    from transformer_cli.config import DataConfig
+    from transformer_cli.data import prepare_train_data
+
+    held_out = splits(str(synthetic_data_dir), 7, 1)  # no validation split: 10% of train held out, as tfm train does
+    prepared = prepare_train_data(DataConfig(source=str(synthetic_data_dir), vocab_size=300), 7)
+    assert [len(s) for s in held_out] == [len(prepared.train), len(prepared.val), 200] == [360, 40, 200]
+    data = tmp_path / "with-validation"
+    data.mkdir()
+    for split, n, seed in (("train", 300, 1), ("validation", 60, 2), ("test", 50, 3)):
+        write_jsonl(data / f"{split}.jsonl", make_examples(n, seed=seed))
+    train, val, test = splits(str(data), 7, 1)  # tfm train trains on all of train, validates on validation
+    assert (len(train), len(val), len(test)) == (300, 60, 50)
+    assert val.texts == [row["text"] for row in make_examples(60, seed=2)]
+
+
+def test_calibration_check_saves_nothing_when_it_fails(trained_dir, synthetic_data_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(trained_dir, model)
+    config = model / "config.json"
+    meta = json.loads(config.read_text())
+    meta.pop("calibration", None)  # a model trained without train.calibrate
+    config.write_text(json.dumps(meta))
+    before = config.read_bytes()
+    cmd = [sys.executable, str(REPO / "scripts" / "calibration_check.py"), str(model), "--save"]
+    bad = run([*cmd, "--split", "nosuchsplit"])  # the validation split is scored, then this one fails
+    assert bad.returncode == 2 and "no 'nosuchsplit' split" in bad.stderr
+    assert config.read_bytes() == before
+    done = run([*cmd, "--split", "test"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert json.loads(config.read_text())["calibration"] == result["validation"]
+
+
+def test_screenshot_replaces_an_image_only_with_the_one_the_browser_wrote(tmp_path):
+    import os
+
+    bin_dir, page, png = tmp_path / "bin", tmp_path / "page.html", tmp_path / "docs" / "page.png"
+    bin_dir.mkdir()
+    page.write_text("<html><body>a review</body></html>")
+    png.parent.mkdir()
+    png.write_bytes(b"the image from before")
+    browser = bin_dir / "chromium"  # found first on PATH: a stand-in that writes what it is told to
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def screenshot(script: str) -> subprocess.CompletedProcess:
+        browser.write_text("#!/bin/sh\n" + script)
+        browser.chmod(0o755)
+        cmd = [sys.executable, str(REPO / "scripts" / "screenshot.py"), str(page), str(png)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, env=env)
+
+    silent = screenshot("exit 0\n")  # exits without an error, writes nothing
+    assert silent.returncode == 1 and silent.stderr.strip() == f"screenshot: error: chromium wrote no image to '{png}'"
+    failed = screenshot("echo 'no display' >&2; exit 3\n")
+    assert failed.returncode == 1 and failed.stderr.strip() == "screenshot: error: chromium exited with 3: no display"
+    assert png.read_bytes() == b"the image from before" and os.listdir(png.parent) == ["page.png"]
+    done = screenshot('for a; do case "$a" in --screenshot=*) printf new > "${a#--screenshot=}";; esac; done\n')
+    assert done.returncode == 0 and png.read_bytes() == b"new" and os.listdir(png.parent) == ["page.png"]
 
 
 def test_bench_train_times_each_variant_on_the_same_batches(tmp_path, monkeypatch):

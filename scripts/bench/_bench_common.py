@@ -16,8 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DATA = "../shared/data/imdb"
@@ -216,13 +217,32 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 def run_timed(cmd: Sequence[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
-    """(wall seconds, completed process) of one subprocess run in the repository, output captured."""
+    """(wall seconds, completed process) of one subprocess run in the repository, output captured. A
+    failed one raises TfmError with the last line it wrote on stderr (a tfm error says it there)."""
+    from transformer_cli.errors import TfmError
+
     t0 = now()
     proc = subprocess.run(list(cmd), env=env or child_env(), cwd=REPO, capture_output=True, text=True, check=False)
     wall = now() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        error = TfmError(f"`{' '.join(cmd)}` exited with {proc.returncode}: {last}")
+        error.exit_code = proc.returncode if proc.returncode in (1, 2) else 1
+        raise error
     return wall, proc
+
+
+def run_script(main: Callable[[], int | None]) -> NoReturn:
+    """Run a script's main() and exit with its code; bad input (a TfmError: a missing model, dataset
+    or config) ends it with one line on stderr and the error's exit code (1 runtime, 2 usage)."""
+    from transformer_cli.errors import TfmError
+
+    try:
+        code = main()
+    except TfmError as e:
+        print(f"{Path(sys.argv[0]).stem}: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    sys.exit(code or 0)
 
 
 def last_json_line(text: str) -> dict:

@@ -184,4 +184,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    bc.run_script(main)

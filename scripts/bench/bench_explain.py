@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 import torch
-from _bench_common import REPO, check, hardware_info, now, print_header, set_threads, write_json
+from _bench_common import REPO, check, hardware_info, now, print_header, run_script, set_threads, write_json
 
 
 def main() -> None:
@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="integration nodes (default: IG_STEPS)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    if args.repeats < 1 or (args.steps is not None and args.steps < 1):
+        ap.error("--repeats and --steps must be at least 1")
     set_threads(args.threads)
     info = hardware_info()
     print_header("explanation vs plain prediction, one review, configs/seed.toml sizes", info)
@@ -67,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import sys
 import tempfile
 
 import _bench_common as bc
@@ -62,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="where the steps run: cpu (default), cuda or cuda:N")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("overrides", nargs="*", help="config overrides SECTION.FIELD=VALUE, e.g. model.n_layers=2")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
 
 
 def synthetic_corpus(cfg, n: int) -> Corpus:
@@ -190,4 +192,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    bc.run_script(main)
