@@ -405,18 +405,18 @@ def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
     assert not out.exists()  # nothing is written before the data is known to be good
 
 
-@pytest.mark.parametrize(("name", "content", "fragment"), [
-    ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', ("could not read {path}: An error occurred while "
-                                                               "generating the dataset: JSON parse error")),
-    ("bad.csv", b'text,label\n"unterminated,0\nb,1\n', "Error tokenizing data"),
-    ("empty.csv", b"", "No columns to parse from file"),
-    ("fake.tar.gz", b"\x00not an archive" * 100, "could not read '{path}' as a tar archive"),
+@pytest.mark.parametrize(("name", "content", "code", "fragment"), [
+    ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', 1, ("could not read {path}: An error occurred while "
+                                                                  "generating the dataset: JSON parse error")),
+    ("bad.csv", b'text,label\n"unterminated,0\nb,1\n', 1, "Error tokenizing data"),
+    ("empty.csv", b"", 2, "data file '{path}' is empty: fill it or remove it"),  # a usage error: the user's file
+    ("fake.tar.gz", b"\x00not an archive" * 100, 1, "could not read '{path}' as a tar archive"),
 ], ids=["jsonl", "csv", "empty-csv", "tarball"])
-def test_unreadable_data_files_fail_in_one_line_that_says_why(tmp_path, name, content, fragment):
+def test_unreadable_data_files_fail_in_one_line_that_says_why(tmp_path, name, content, code, fragment):
     path = tmp_path / name
     path.write_bytes(content)
     out = tmp_path / "out"
-    assert_fails_cleanly(tfm("train", "--data", path, "-o", out, "--no-progress"), 1, fragment.format(path=path))
+    assert_fails_cleanly(tfm("train", "--data", path, "-o", out, "--no-progress"), code, fragment.format(path=path))
     assert not out.exists()
 
 
