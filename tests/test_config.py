@@ -246,3 +246,17 @@ def test_saved_configs_get_the_values_of_fields_added_after_them():
     assert first["data"] == {"val_block": 1, "val_split": ""}  # validated on a part held out of train
     # A field that was saved keeps its value.
     assert with_legacy_values({"model": {"ngram_order": 3, "ngram_binary": True}})["model"]["ngram_order"] == 3
+
+
+def test_local_data_paths_are_recorded_absolute_so_a_run_finds_them_from_anywhere(tmp_path, monkeypatch):
+    (tmp_path / "reviews").mkdir()  # a bare folder name, which read from elsewhere looks like a Hub id
+    (tmp_path / "a.csv").write_text("text,label\nx,0\n")
+    (tmp_path / "pseudo.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(overrides={"data.source": "reviews", "data.pseudo_labels": "pseudo.jsonl"})
+    assert cfg.data.source == str(tmp_path.resolve() / "reviews")
+    assert cfg.data.pseudo_labels == str(tmp_path.resolve() / "pseudo.jsonl")
+    named = load_config(overrides={"data.source": "train=a.csv,test=missing.csv"}).data.source
+    assert named == f"train={tmp_path.resolve() / 'a.csv'},test=missing.csv"  # a missing file is left for the error
+    assert load_config(overrides={"data.source": "stanfordnlp/imdb"}).data.source == "stanfordnlp/imdb"  # a Hub id
+    assert load_config().data.source == "stanfordnlp/imdb"

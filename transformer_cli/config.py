@@ -422,7 +422,33 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
     d = read_toml(path) if path is not None else {}
-    return Config.from_dict(with_encoder_of(apply_overrides(d, overrides or {})))
+    return Config.from_dict(with_local_paths(with_encoder_of(apply_overrides(d, overrides or {}))))
+
+
+def with_local_paths(d: dict[str, Any]) -> dict[str, Any]:
+    """`data.source` (a folder, a file, or SPLIT=FILE pairs) and `data.pseudo_labels` made absolute where
+    they name something on this machine, so that a run's config.json finds its data from any folder:
+    read from elsewhere, a relative folder name such as `reviews` would be taken for a Hub id."""
+    data = d.get("data")
+    if not isinstance(data, dict):
+        return d
+
+    def absolute(path: str) -> str:
+        p = Path(path).expanduser()
+        return str(p.resolve()) if p.exists() else path
+
+    out = {**d, "data": dict(data)}
+    source, pseudo = data.get("source"), data.get("pseudo_labels")
+    if isinstance(source, str) and source:
+        if "=" in source and not Path(source).exists():  # train=a.csv,test=b.csv
+            out["data"]["source"] = ",".join(
+                f"{split}={absolute(file)}" if sep else part
+                for part in source.split(",") for split, sep, file in [part.partition("=")])
+        else:
+            out["data"]["source"] = absolute(source)
+    if isinstance(pseudo, str) and pseudo:
+        out["data"]["pseudo_labels"] = absolute(pseudo)
+    return out
 
 
 FORMAT_VERSION = 1  # of a run's config.json
