@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.1, help="share of each review's tokens to hide")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.n < 1 or not 0 < args.fraction <= 1:
+        ap.error("-n must be at least 1 and --fraction in (0, 1]")
 
     from transformer_cli.data import load_splits
     from transformer_cli.evaluate import load_model_dir

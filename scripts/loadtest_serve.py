@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import statistics
@@ -69,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--concurrency {args.concurrency!r}: give client counts separated by commas, e.g. 1,8,32")
     if min(args.levels) < 1 or args.requests < 1 or args.texts < 1 or not 1 <= args.texts_per_request <= MAX_TEXTS:
         p.error(f"--concurrency, --requests and --texts must be positive; --texts-per-request 1 to {MAX_TEXTS}")
+    if args.texts_per_request > args.texts:
+        p.error(f"--texts-per-request {args.texts_per_request} is more than the {args.texts} reviews drawn (--texts)")
+    if args.malformed < 0 or args.latency_requests < 0:
+        p.error("--malformed and --latency-requests must be 0 or more")
     return args
 
 
@@ -214,8 +219,8 @@ def summarise(load: dict, requests: list[tuple[bytes, int]]) -> dict:
     latencies = sorted(r[0] for r in good)
     reviews = sum(n for _, n in requests)
 
-    def pct(q):
-        return 1000 * latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else float("nan")
+    def pct(q):  # nearest rank: the smallest latency that at least q of the requests did not exceed
+        return 1000 * latencies[max(0, math.ceil(q * len(latencies)) - 1)] if latencies else float("nan")
 
     return {"requests": len(good), "reviews": reviews, "reviews_per_sec": reviews / load["wall"],
             "p50_ms": pct(0.50), "p99_ms": pct(0.99), "max_ms": 1000 * latencies[-1] if latencies else float("nan"),

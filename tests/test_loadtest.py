@@ -28,3 +28,27 @@ def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, synth
     assert set(mixed["malformed_statuses"]) == {400, 413, 422}
     assert result["correct"] and result["server_exit_code"] == 0
     assert "correctness: ok" in done.stdout
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("loadtest_serve", REPO / "scripts" / "loadtest_serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_percentiles_are_nearest_rank():
+    script = _script()
+    latencies = [ms / 1000 for ms in range(100, 0, -1)]  # 100 requests of 1..100 ms, in any order
+    load = {"wall": 1.0, "results": [(s, 200, True) for s in latencies]}
+    got = script.summarise(load, [(b"", 1)] * 100)
+    assert (got["p50_ms"], got["p99_ms"], got["max_ms"]) == pytest.approx((50.0, 99.0, 100.0))
+
+
+@pytest.mark.parametrize("args", [["--texts", "1", "--texts-per-request", "2"], ["--malformed", "-1"]])
+def test_impossible_loads_are_usage_errors(args, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _script().parse_args(["-c", "RUN", *args])
+    assert stop.value.code == 2 and "error:" in capsys.readouterr().err

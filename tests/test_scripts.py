@@ -109,6 +109,13 @@ def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):
     assert line.startswith(f"{name}: error: ") and ("nothing" in line or "scikit-learn" in line)
 
 
+@pytest.mark.parametrize("args", [["--fraction", "2"], ["--fraction", "0"], ["-n", "0"]])
+def test_faithfulness_refuses_an_impossible_measure_before_loading(args, tmp_path):
+    done = run([sys.executable, str(REPO / "scripts" / "faithfulness.py"), "-c", str(tmp_path / "nothing"), *args])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "-n must be at least 1 and --fraction in (0, 1]" in done.stderr
+
+
 @pytest.mark.parametrize(("script", "code"), [
     (["bench_infer.py", "-c", "{missing}", "--skip-cold-start"], 1), (["bench_onnx.py", "-c", "{missing}"], 1),
     (["bench_train.py", "--mode", "imdb", "--data", "{missing}", "--variants", "a", "--steps", "1"], 2),
