@@ -110,3 +110,25 @@ def test_export_refuses_a_bad_directory_or_output(trained_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx"]
     assert tfm("export", "-c", trained_dir, "-o", tmp_path / "M.ONNX").exit_code == 0  # the suffix in any case
     assert OnnxClassifier(tmp_path / "M.ONNX").tokenizer.get_vocab_size() > 0 and (tmp_path / "M.tokenizer.json").is_file()
+
+
+def test_a_failed_export_leaves_the_pair_it_would_replace(trained_dir, tmp_path, monkeypatch):
+    import os
+
+    from transformer_cli import fileio
+    from transformer_cli.export import export_onnx
+
+    out = tmp_path / "m.onnx"
+    export_onnx(trained_dir, out)
+    before = {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.iterdir()}
+    fsync = os.fsync
+
+    def disk_full_on_the_graph(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".m.onnx.tmp-{os.getpid()}"):
+            raise OSError("disk full")
+        fsync(fd)
+
+    monkeypatch.setattr(fileio.os, "fsync", disk_full_on_the_graph)
+    with pytest.raises(OSError, match="disk full"):
+        export_onnx(trained_dir, out)
+    assert {p.name: (p.stat().st_ino, p.read_bytes()) for p in tmp_path.iterdir()} == before  # neither replaced

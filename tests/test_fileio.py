@@ -50,3 +50,24 @@ def test_check_output_path_names_the_path_as_given(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match=r"'adir' cannot be written \('adir' is not writable\)"):
         fileio.check_output_path("adir", "--report", folder=True)
     assert sorted(os.listdir()) == ["adir", "afile"] and os.listdir("adir") == []
+
+
+@pytest.mark.parametrize("failing", ["a.onnx", "a.tokenizer.json"])
+def test_files_written_together_are_all_replaced_or_none(tmp_path, monkeypatch, failing):
+    files = {tmp_path / "a.tokenizer.json": b"new tokenizer", tmp_path / "a.onnx": b"new graph"}
+    for path in files:
+        path.write_bytes(b"old")
+    fsync = os.fsync
+
+    def disk_full_on(fd):  # the write of `failing` fails once its bytes are handed over
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(f".{failing}.tmp-{os.getpid()}"):
+            raise OSError("disk full")
+        fsync(fd)
+
+    monkeypatch.setattr(fileio.os, "fsync", disk_full_on)
+    with pytest.raises(OSError, match="disk full"):
+        fileio.atomic_write_together(files)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {"a.tokenizer.json": b"old", "a.onnx": b"old"}
+    monkeypatch.setattr(fileio.os, "fsync", fsync)
+    fileio.atomic_write_together(files)
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == files

@@ -32,7 +32,7 @@ from transformer_cli import __version__
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan, load_model_dir
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, check_output_path
+from transformer_cli.fileio import atomic_write_together, check_output_path
 from transformer_cli.model import CTransformer
 
 INPUTS, OUTPUT = ("ids", "mask"), "logits"
@@ -62,8 +62,7 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     onnx.helper.set_model_props(proto, {f"tfm.{k}": str(v) for k, v in meta.items()})
     data = proto.SerializeToString()
     diff = _check(data, model, d.max_length)
-    atomic_write_text(tokenizer_file, tokenizer.to_str())
-    atomic_write_bytes(output, data)
+    atomic_write_together({tokenizer_file: tokenizer.to_str().encode("utf-8"), output: data})
     return {"onnx": str(output), "tokenizer": str(tokenizer_file), "bytes": len(data), "max_abs_logit_diff": diff}
 
 

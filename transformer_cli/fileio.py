@@ -63,7 +63,7 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
     and not at all if the block raises (the file there before, if any, stays)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _temp_name(path)
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -76,9 +76,35 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     with atomic_writer(path) as f:
         f.write(data)
+
+
+def atomic_write_together(files: dict[Path, bytes]) -> None:
+    """Files that belong together (an exported graph and its tokenizer): every one written and fsynced
+    under its temporary name before any is renamed, so a failed write replaces none of them."""
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for path, data in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temps.append((_temp_name(path), path))
+            with open(temps[-1][0], "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in temps:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    for folder in {path.parent for path in files}:
+        fsync_dir(folder)
 
 
 def remove_stale_temp_files(folder: Path) -> None:
