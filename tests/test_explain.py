@@ -221,6 +221,11 @@ def test_explain_refuses_a_wide_and_deep_model(synthetic_data_dir, tmp_path):
     out = tmp_path / "wide"
     train(tiny_config(synthetic_data_dir, out, model__ngram_buckets=64, train__max_steps=2), progress=False)
     assert_fails_cleanly(tfm("predict", "-c", out, "--explain", "good"), 1, "n-gram path")
+    # before any review is read or predicted (a missing --file is not reached), and saying what to do
+    for cmd in (["predict", "--explain"], ["explain", "--html", tmp_path / "page.html"]):
+        assert_fails_cleanly(tfm(*cmd, "-c", out, "--file", tmp_path / "missing.txt"), 1,
+                             "explain a model trained without it")
+    assert not (tmp_path / "page.html").exists()
     assert json.loads(tfm("predict", "-c", out, "--json", "good").stdout)["label"] in ("neg", "pos")
 
 

@@ -310,6 +310,10 @@ def predict(
     """Print the predicted label and its probability for each review, in input order."""
     if ig_steps is not None and not explain:
         raise UsageError("--ig-steps sets how --explain integrates; add --explain")
+    if explain:
+        from transformer_cli.explain import refuse_ngram_path  # imports torch
+
+        refuse_ngram_path(checkpoint)
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 
@@ -479,8 +483,11 @@ def explain_reviews(
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
     check_output_path(html, "--html", hint="pass a file name for the page",  # before the explanations' minutes
                       inputs=[file] if file not in (None, "-") else [])
+    from transformer_cli.explain import refuse_ngram_path  # imports torch
+
+    refuse_ngram_path(checkpoint)
     inputs = _read_inputs(texts or [], file)
-    from transformer_cli.evaluate import predict_texts  # imports torch
+    from transformer_cli.evaluate import predict_texts
 
     results = predict_texts(checkpoint, inputs, device)
     explained = _explanations(checkpoint, inputs, results, device, ig_steps)

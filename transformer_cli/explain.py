@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import html
 import itertools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from transformer_cli.checkpoint import CONFIG_FILE
 from transformer_cli.data import PAD_ID, encode_texts
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
@@ -113,6 +115,21 @@ def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int = I
     return Explained(tokens, [float(a) for a in attr[1:]], delta, cut)
 
 
+NGRAM_PATH = ("explanations need the transformer alone; this model adds an n-gram path (model.ngram_buckets > 0), "
+              "whose scores do not go through the token embeddings: explain a model trained without it")
+
+
+def refuse_ngram_path(model_dir: str | Path) -> None:
+    """NGRAM_PATH's error before any review is read or predicted, where config.json says so (a missing or
+    damaged one is load_model_dir's to name)."""
+    try:
+        model = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(model, dict) and model.get("ngram_buckets"):
+        raise TfmError(NGRAM_PATH)
+
+
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
                   steps: int | None = None) -> list[Explained]:
     """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
@@ -120,8 +137,7 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
 
     _, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
     if cfg.model.ngram_buckets:
-        raise TfmError("explanations need the transformer alone; this model adds an n-gram path "
-                       "(model.ngram_buckets > 0), whose scores do not go through the token embeddings")
+        raise TfmError(NGRAM_PATH)
     ids = review_ids(tokenizer, texts, cfg.data)
     return [explain_ids(model, tokenizer, row, labels.index(p["label"]), steps or IG_STEPS, temperature, cut)
             for row, p, cut in zip(ids, predictions, cut_positions(tokenizer, texts, ids, cfg.data))]
