@@ -71,3 +71,17 @@ def test_files_written_together_are_all_replaced_or_none(tmp_path, monkeypatch, 
     monkeypatch.setattr(fileio.os, "fsync", fsync)
     fileio.atomic_write_together(files)
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+def test_a_failed_write_names_the_file_asked_for_not_its_temp_name(tmp_path, monkeypatch):
+    def refused(name, mode="r", *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(name))
+
+    monkeypatch.setattr(fileio, "open", refused, raising=False)  # where the temp file is opened
+    path = tmp_path / "page.html"
+    for write in (lambda: fileio.atomic_write_bytes(path, b"x"), lambda: fileio.atomic_write_together({path: b"x"})):
+        with pytest.raises(PermissionError) as failed:
+            write()
+        assert failed.value.filename == str(path)
+        assert str(path) in str(failed.value)
+    assert list(tmp_path.iterdir()) == []

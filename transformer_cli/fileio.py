@@ -70,14 +70,21 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        _name_the_file(e, tmp, path)
         raise
     fsync_dir(path.parent)
 
 
 def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _name_the_file(e: BaseException, tmp: Path, path: Path) -> None:
+    """An OSError about temp file `tmp` made to name `path`, the file the user asked for, in its message."""
+    if isinstance(e, OSError) and e.filename == str(tmp):
+        e.filename = str(path)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -99,9 +106,10 @@ def atomic_write_together(files: dict[Path, bytes]) -> None:
                 os.fsync(f.fileno())
         for tmp, path in temps:
             os.replace(tmp, path)
-    except BaseException:
-        for tmp, _ in temps:
+    except BaseException as e:
+        for tmp, path in temps:
             tmp.unlink(missing_ok=True)
+            _name_the_file(e, tmp, path)
         raise
     for folder in {path.parent for path in files}:
         fsync_dir(folder)
