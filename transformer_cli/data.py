@@ -744,6 +744,7 @@ class Prepared:
     train: Encoded
     val: Encoded
     val_split: str  # the dataset's split validated on; "" when held out of train
+    val_texts: list[str]  # val's reviews, to show one cut where its encoding was (TensorBoard pictures)
 
 
 def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
@@ -844,6 +845,7 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
         train=cached_encode(tok, train_raw, cfg, train_fp),
         val=cached_encode(tok, val_raw, cfg, val_raw.fingerprint()),
         val_split=val_split,
+        val_texts=val_raw.texts,
     )
 
 
