@@ -3,15 +3,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import edit_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
 from transformer_cli.config import DataConfig, ModelConfig
 from transformer_cli.data import Encoded, encode_texts
-from transformer_cli.evaluate import load_model_dir
+from transformer_cli.evaluate import load_model_dir, predict_texts
 from transformer_cli.explain import CUT_MARK
 from transformer_cli.model import CTransformer
-from transformer_cli.tb_pictures import TEXT_CHARS, attention_maps, pick_review, wrong_panel
+from transformer_cli.report import new_figure
+from transformer_cli.tb_pictures import ATTENTION_TOKENS, TEXT_CHARS, attention_maps, pick_review, wrong_panel
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,36 @@ def test_wrong_panel_marks_where_a_long_review_was_cut(trained_dir):
     tail = " ".join([pieces[-1].removeprefix("##"), *["great"] * (limit - head - 1)])
     assert cut == ("great " * head + f"{CUT_MARK} {tail}")[: TEXT_CHARS - 3] + "..."
     assert whole.startswith("great great") and CUT_MARK not in whole
+
+
+class Images:
+    """A stand-in SummaryWriter that keeps the tags of its images."""
+
+    def __init__(self):
+        self.tags = []
+
+    def add_image(self, tag, *args, **kwargs):
+        self.tags.append(tag)
+
+
+def test_attention_title_gives_the_probability_tfm_predict_prints(model_dir, monkeypatch):
+    """The title's probability is calibrated by the run's temperature, as `tfm predict`'s is; a review
+    drawn cut says that its prediction is of the tokens drawn."""
+    from transformer_cli import tb_pictures
+
+    edit_config(model_dir, calibration={"temperature": 0.5})
+    model, cfg, tokenizer, labels, temperature = load_model_dir(model_dir)
+    titles = []
+    monkeypatch.setattr(tb_pictures, "attention_figure", lambda maps, tokens, title: titles.append(title) or new_figure())
+    texts = ["A wonderful film, I loved it.", "the plot " * 40]
+    writer = Images()
+    for text in texts:
+        ids, offsets = encode_texts(tokenizer, [text], cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+        tb_pictures.log_attention(writer, 1, model, Encoded(ids, offsets, np.array([1])), labels, tokenizer, temperature)
+    assert writer.tags == ["val/attention"] * 2
+    p = predict_texts(model_dir, texts[:1], device="cpu")[0]
+    assert titles[0] == f"true pos, predicted {p['label']} ({p['score']:.3f})"
+    assert titles[1].endswith(f" from its first {ATTENTION_TOKENS} of {cfg.data.max_length} tokens")
 
 
 def test_attention_figure_draws_dollar_signs_as_they_are():

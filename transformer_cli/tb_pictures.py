@@ -114,8 +114,11 @@ def pick_review(enc: Encoded, tokens: int = ATTENTION_TOKENS) -> int:
     return int(short[0]) if len(short) else int(np.argmin(enc.lengths))
 
 
-def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer) -> None:
-    """One validation review's attention maps, a panel per layer (heads averaged), as an image."""
+def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer,
+                  temperature: float = 1.0) -> None:
+    """One validation review's attention maps, a panel per layer (heads averaged), as an image, titled
+    with its true label and the label predicted from the tokens drawn, with its probability calibrated
+    by `temperature` (what `tfm predict` prints for the review, where it is drawn whole)."""
     if writer is None or not len(enc) or not _can_draw():
         return
     i = pick_review(enc)
@@ -125,9 +128,11 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     mask = torch.ones_like(ids, dtype=torch.bool)
     maps = [m[0].mean(0).float().cpu().numpy() for m in attention_maps(model, ids, mask)]  # L x (T, T)
     with torch.no_grad():
-        p = model.eval()(ids, mask).float().softmax(-1)[0].cpu()
+        p = (model.eval()(ids, mask).float() / temperature).softmax(-1)[0].cpu()
     tokens = [tokenizer.id_to_token(int(t)) or "?" for t in ids_np]
     title = f"true {names[enc.labels[i]]}, predicted {names[int(p.argmax())]} ({float(p.max()):.3f})"
+    if len(ids_np) < enc.lengths[i]:  # the prediction is of the tokens drawn, not of the whole review
+        title += f" from its first {len(ids_np)} of {enc.lengths[i]} tokens"
     writer.add_image("val/attention", rgb_array(attention_figure(maps, tokens, title)), step, dataformats="HWC")
 
 

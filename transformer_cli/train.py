@@ -949,7 +949,8 @@ def finish(run: Run, logger: Logger) -> dict:
     if "test" in metrics:
         final["hparam/test_accuracy"] = metrics["test"]["accuracy"]
     logger.hparams(hp, final, st.step)
-    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, task.tokenizer)
+    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, task.tokenizer,
+                              temperature)
     if run.rt.is_main:
         write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
