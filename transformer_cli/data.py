@@ -472,12 +472,9 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
     trainer would give had its hash map come out sorted; the tokenizer returned keeps only
     SPECIAL_TOKENS as special.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
-    if cfg.lowercase:
-        norm.append(normalizers.Lowercase())
-    normalizer = normalizers.Sequence(norm)
+    normalizer = text_normalizer(cfg)
     if cfg.tokenizer == "wordpiece":
         if iter(texts) is texts:
             raise TypeError("train_tokenizer reads WordPiece's texts twice: pass a list or a re-iterable")
@@ -504,6 +501,17 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
         tok = assemble(tok.model)
         tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
+
+
+def text_normalizer(cfg: DataConfig):
+    """What a trained tokenizer does to a text before splitting it: `<br />` tags become spaces, NFKC,
+    lowercasing with data.lowercase."""
+    from tokenizers import Regex, normalizers
+
+    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
+    if cfg.lowercase:
+        norm.append(normalizers.Lowercase())
+    return normalizers.Sequence(norm)
 
 
 def characters(texts: Iterable[str], normalizer) -> set[str]:
