@@ -111,6 +111,23 @@ def test_pr_curve_against_thresholds_one_by_one():
     assert 0 < ap < 1
 
 
+def test_a_class_without_examples_has_no_average_precision(trained_dir, tmp_path):
+    """Average precision is undefined for a class that no example of the sample has: the picture says
+    so rather than "AP 0.000", and no NaN reaches the evaluation's JSON."""
+    probs = np.array([[0.3, 0.6, 0.1], [0.8, 0.1, 0.1]])
+    labels = np.array([1, 0])
+    assert report.pr_curve(probs[:, 2], labels == 2)[2] is None
+    legend = report.pr_figure(probs, labels, ["a", "b", "c"]).axes[0].get_legend().get_texts()
+    assert [t.get_text() for t in legend] == ["a (AP 1.000)", "b (AP 1.000)", "c (AP n/a, no examples)"]
+
+    result = tfm("evaluate", "-c", trained_dir, "--device", "cpu", "--json", "--max-samples", "1",
+                 "--report", tmp_path / "report")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert sorted(c["support"] for c in m["per_class"].values()) == [0, 1]
+    assert_complete_report(tmp_path / "report")
+
+
 def test_accuracy_by_length_bins():
     probs = np.array([[0.9, 0.1], [0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.3, 0.7]])
     labels = np.array([0, 1, 1, 1, 1])

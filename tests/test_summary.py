@@ -88,6 +88,17 @@ def test_long_text_is_truncated_to_max_length():
     assert sample_ids(SAMPLE_TEXT, model).shape == (1, 16)
 
 
+def test_an_untrained_model_counts_the_tokens_a_trained_tokenizer_leaves(trained_dir):
+    """Without a tokenizer (--config) each word and punctuation mark is a token, after the normalization
+    that a trained tokenizer applies: a `<br />` tag is no token in either; and a count of one is singular."""
+    for text, tokens in (("<br />", "T = 1 token,"), ("Great film.<br /><br />Loved it", "T = 6 tokens,")):
+        for model in (["-c", trained_dir], ["--config", CONFIGS / "tiny.toml", "model.n_heads=1"]):
+            r = tfm("inspect", *model, "--depth", "0", "--text", text)
+            assert r.exit_code == 0, r.stderr
+            assert r.stdout.startswith(f"B = 1 review, {tokens} C = 32, H = ")
+            assert ("H = 1 head," in r.stdout) == (model[0] == "--config")
+
+
 def test_usage_errors():
     assert_fails_cleanly(tfm("inspect"), 2, "-c DIR", "--config FILE")
     assert_fails_cleanly(tfm("inspect", "-c", "x", "--config", CONFIGS / "seed.toml"), 2, "one of the two")

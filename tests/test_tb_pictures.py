@@ -3,13 +3,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import edit_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from transformer_cli.config import ModelConfig
-from transformer_cli.data import Encoded
+from transformer_cli.config import DataConfig, ModelConfig
+from transformer_cli.data import Encoded, encode_texts
+from transformer_cli.evaluate import load_model_dir, predict_texts
+from transformer_cli.explain import CUT_MARK
 from transformer_cli.model import CTransformer
-from transformer_cli.tb_pictures import attention_maps, pick_review, wrong_panel
+from transformer_cli.report import new_figure
+from transformer_cli.tb_pictures import ATTENTION_TOKENS, TEXT_CHARS, attention_maps, pick_review, wrong_panel
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +54,11 @@ def test_training_ends_with_an_attention_image_and_calibration_scalars(events):
 class Chars:
     """A stand-in tokenizer: token id i is the letter chr(ord('a') + i % 26)."""
 
-    def decode(self, ids):
-        return " ".join(chr(ord("a") + i % 26) for i in ids)
+    def id_to_token(self, i):
+        return chr(ord("a") + i % 26)
+
+
+UNCUT = DataConfig(max_length=1000)  # no review of the stand-in tests fills it: none was cut
 
 
 def test_wrong_panel_shows_the_most_confident_mistakes_first():
@@ -60,24 +67,73 @@ def test_wrong_panel_shows_the_most_confident_mistakes_first():
                       [0.1, 0.85, 0.05]])
     lengths = np.array([3, 500, 2, 2, 2, 2])
     enc = Encoded(np.arange(lengths.sum()) % 7, np.r_[0, np.cumsum(lengths)], labels)
-    panel = wrong_panel(probs, enc, ["a", "b", "c"], Chars(), shown=3)
+    panel = wrong_panel(probs, enc, ["a", "b", "c"], Chars(), [""] * 6, UNCUT, shown=3)
     rows = [line for line in panel.splitlines() if line.startswith("| 0.")]
     assert [r.split(" | ")[0] for r in rows] == ["| 0.900", "| 0.850", "| 0.700"]
     assert rows[0].split(" | ")[1:3] == ["b", "a"]
     assert "4 wrong" in panel
     assert all(len(r.split(" | ")[3]) <= 302 for r in rows)  # reviews cut to a few hundred characters
-    assert wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars()).startswith("No validation review")
+    assert wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars(), [""] * 6, UNCUT).startswith("No validation review")
 
 
 def test_wrong_panel_keeps_its_columns_whatever_the_labels_hold():
     """Label names are any text: a '|' in one must not split its cell (labels "a|b", "c d")."""
     enc = Encoded(np.arange(4), np.array([0, 2, 4]), np.array([0, 1]))
-    panel = wrong_panel(np.array([[0.2, 0.8], [0.9, 0.1]]), enc, ["a|b", "c d"], Chars())
+    panel = wrong_panel(np.array([[0.2, 0.8], [0.9, 0.1]]), enc, ["a|b", "c d"], Chars(), ["", ""], UNCUT)
     rows = [line for line in panel.splitlines() if line.startswith("| 0.")]
     assert len(rows) == 2
     for row in rows:
         assert len(row.replace("\\|", "").split("|")) == 6  # four cells between the bars
     assert rows[0].startswith("| 0.900 | c d | a\\|b | ")
+
+
+def test_wrong_panel_marks_where_a_long_review_was_cut(trained_dir):
+    """A review longer than the model reads keeps its head and tail (data.truncation "head_tail"): the
+    panel shows an ellipsis between them, and a word's continuation right after the cut does not join
+    the word before it; a review that just fits is shown whole."""
+    _, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
+    limit = cfg.data.max_length - 1
+    head = round(limit * cfg.data.head_fraction)
+    pieces = tokenizer.encode("greatfilms", add_special_tokens=False).tokens  # e.g. great ##f ##il ##ms
+    assert len(pieces) > 1 and pieces[-1].startswith("##")
+    texts = ["great " * limit + "greatfilms" + " great" * (limit - head - 1), "great " * limit]
+    ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+    enc = Encoded(ids, offsets, np.array([0, 0]))
+    panel = wrong_panel(np.array([[0.1, 0.9], [0.2, 0.8]]), enc, ["neg", "pos"], tokenizer, texts, cfg.data)
+    cut, whole = [line.split(" | ")[3].removesuffix(" |") for line in panel.splitlines() if line.startswith("| 0.")]
+    tail = " ".join([pieces[-1].removeprefix("##"), *["great"] * (limit - head - 1)])
+    assert cut == ("great " * head + f"{CUT_MARK} {tail}")[: TEXT_CHARS - 3] + "..."
+    assert whole.startswith("great great") and CUT_MARK not in whole
+
+
+class Images:
+    """A stand-in SummaryWriter that keeps the tags of its images."""
+
+    def __init__(self):
+        self.tags = []
+
+    def add_image(self, tag, *args, **kwargs):
+        self.tags.append(tag)
+
+
+def test_attention_title_gives_the_probability_tfm_predict_prints(model_dir, monkeypatch):
+    """The title's probability is calibrated by the run's temperature, as `tfm predict`'s is; a review
+    drawn cut says that its prediction is of the tokens drawn."""
+    from transformer_cli import tb_pictures
+
+    edit_config(model_dir, calibration={"temperature": 0.5})
+    model, cfg, tokenizer, labels, temperature = load_model_dir(model_dir)
+    titles = []
+    monkeypatch.setattr(tb_pictures, "attention_figure", lambda maps, tokens, title: titles.append(title) or new_figure())
+    texts = ["A wonderful film, I loved it.", "the plot " * 40]
+    writer = Images()
+    for text in texts:
+        ids, offsets = encode_texts(tokenizer, [text], cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+        tb_pictures.log_attention(writer, 1, model, Encoded(ids, offsets, np.array([1])), labels, tokenizer, temperature)
+    assert writer.tags == ["val/attention"] * 2
+    p = predict_texts(model_dir, texts[:1], device="cpu")[0]
+    assert titles[0] == f"true pos, predicted {p['label']} ({p['score']:.3f})"
+    assert titles[1].endswith(f" from its first {ATTENTION_TOKENS} of {cfg.data.max_length} tokens")
 
 
 def test_attention_figure_draws_dollar_signs_as_they_are():

@@ -526,7 +526,8 @@ def inspect_model(
     if checkpoint is not None:
         model, tokenizer, data_cfg = summary.model_from_dir(checkpoint)
     else:
-        model, tokenizer, data_cfg = summary.model_from_config(load_config(config, parse_overrides(overrides or []))), None, None
+        cfg = load_config(config, parse_overrides(overrides or []))
+        model, tokenizer, data_cfg = summary.model_from_config(cfg), None, cfg.data
     s = summary.summarize(model, summary.sample_ids(text or summary.SAMPLE_TEXT, model, tokenizer, data_cfg))
     typer.echo(json.dumps(s.to_dict(depth)) if as_json else summary.format_summary(s, depth))
 

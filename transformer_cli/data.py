@@ -472,12 +472,9 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
     trainer would give had its hash map come out sorted; the tokenizer returned keeps only
     SPECIAL_TOKENS as special.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
-    if cfg.lowercase:
-        norm.append(normalizers.Lowercase())
-    normalizer = normalizers.Sequence(norm)
+    normalizer = text_normalizer(cfg)
     if cfg.tokenizer == "wordpiece":
         if iter(texts) is texts:
             raise TypeError("train_tokenizer reads WordPiece's texts twice: pass a list or a re-iterable")
@@ -504,6 +501,17 @@ def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = 
         tok = assemble(tok.model)
         tok.add_special_tokens(SPECIAL_TOKENS)
     return tok
+
+
+def text_normalizer(cfg: DataConfig):
+    """What a trained tokenizer does to a text before splitting it: `<br />` tags become spaces, NFKC,
+    lowercasing with data.lowercase."""
+    from tokenizers import Regex, normalizers
+
+    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
+    if cfg.lowercase:
+        norm.append(normalizers.Lowercase())
+    return normalizers.Sequence(norm)
 
 
 def characters(texts: Iterable[str], normalizer) -> set[str]:
@@ -744,6 +752,7 @@ class Prepared:
     train: Encoded
     val: Encoded
     val_split: str  # the dataset's split validated on; "" when held out of train
+    val_texts: list[str]  # val's reviews, to show one cut where its encoding was (TensorBoard pictures)
 
 
 def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
@@ -844,6 +853,7 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
         train=cached_encode(tok, train_raw, cfg, train_fp),
         val=cached_encode(tok, val_raw, cfg, val_raw.fingerprint()),
         val_split=val_split,
+        val_texts=val_raw.texts,
     )
 
 

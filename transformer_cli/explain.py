@@ -200,6 +200,13 @@ def _cut_mark(i: int, n: int, cut: int | None) -> str:
     return CUT_MARK + " " if i == 0 else " " + CUT_MARK
 
 
+def shown_text(tokens: list[str], cut: int | None = None) -> str:
+    """The review's pieces as plain text, joined as display_pieces joins them, CUT_MARK where it was cut."""
+    pieces = display_pieces(tokens, cut)
+    return "".join(_cut_mark(i, len(tokens), cut) + space + piece for i, (space, piece) in enumerate(pieces)) \
+        + _cut_mark(len(tokens), len(tokens), cut)
+
+
 def _strengths(attributions: list[float]) -> np.ndarray:
     a = np.asarray(attributions, dtype=np.float64)
     peak = np.abs(a).max() if len(a) else 0.0

@@ -161,26 +161,31 @@ def reliability_figure(probs: np.ndarray, labels: np.ndarray):
     return fig
 
 
-def pr_curve(scores: np.ndarray, positive: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+def pr_curve(scores: np.ndarray, positive: np.ndarray) -> tuple[np.ndarray, np.ndarray, float | None]:
     """(precision, recall, average precision) of ranking by `scores` against the bool `positive`, one
-    point per distinct score."""
+    point per distinct score; the average precision is None where no example is positive (undefined:
+    there is no recall to gain)."""
     order = np.argsort(-scores, kind="stable")
     s, pos = scores[order], positive[order].astype(np.float64)
     last = np.r_[np.nonzero(np.diff(s))[0], len(s) - 1]  # the last index of each run of equal scores
     tp = np.cumsum(pos)[last]
     precision = tp / (last + 1)
     recall = tp / max(pos.sum(), 1)
-    ap = float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+    ap = float(np.sum(np.diff(np.r_[0.0, recall]) * precision)) if pos.any() else None
     return precision, recall, ap
 
 
 def pr_figure(probs: np.ndarray, labels: np.ndarray, names: list[str]):
-    """Each class's precision-recall curve, one against the rest, with its average precision."""
+    """Each class's precision-recall curve, one against the rest, with its average precision; a class
+    with no example has no curve, only its legend entry."""
     fig = new_figure()
     ax = fig.add_subplot()
     for c, name in enumerate(names):
         precision, recall, ap = pr_curve(probs[:, c], labels == c)
-        ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{plain(name)} (AP {ap:.3f})")
+        if ap is None:
+            ax.plot([], [], label=f"{plain(name)} (AP n/a, no examples)")
+        else:
+            ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{plain(name)} (AP {ap:.3f})")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recall")

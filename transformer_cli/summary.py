@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from transformer_cli.config import Config
-from transformer_cli.data import CLS_ID, DEFAULT_LABELS, SPECIAL_TOKENS, encode_texts
+from transformer_cli.config import Config, DataConfig
+from transformer_cli.data import CLS_ID, DEFAULT_LABELS, SPECIAL_TOKENS, encode_texts, text_normalizer
 from transformer_cli.errors import TfmError
 from transformer_cli.model import CTransformer, SelfAttention
 
@@ -82,14 +82,16 @@ def model_from_config(cfg: Config) -> CTransformer:
 
 def sample_ids(text: str, model: CTransformer, tokenizer=None, data_cfg=None) -> torch.Tensor:
     """(1, T) ids of `text` as the model reads it: [CLS] + its subword ids, truncated as in training.
-    Without a tokenizer (an untrained recipe has none yet) each word and punctuation mark is one
-    token, with stand-in ids: the shapes depend only on how many there are."""
+    Without a tokenizer (an untrained recipe has none yet) each word and punctuation mark left by the
+    normalization a trained one applies (text_normalizer: `<br />` tags removed) is one token, with
+    stand-in ids: the shapes depend only on how many there are."""
     max_length = model.encoder.max_length
     if tokenizer is not None:
         ids, _ = encode_texts(tokenizer, [text], max_length, data_cfg.truncation, data_cfg.head_fraction)
         return torch.from_numpy(ids.astype(np.int64))[None]
     from tokenizers.pre_tokenizers import BertPreTokenizer
 
+    text = text_normalizer(data_cfg or DataConfig()).normalize_str(text)
     n = len(BertPreTokenizer().pre_tokenize_str(text)[: max_length - 1])
     first, vocab = len(SPECIAL_TOKENS), model.encoder.tok_emb.num_embeddings
     stand_in = [first + i % max(1, vocab - first) for i in range(n)]
@@ -259,8 +261,8 @@ def _symbols(shape: list[int] | None, dims: dict[str, int], ff_mult: int, tokens
 def format_summary(s: Summary, depth: int | None = None) -> str:
     """The summary as an aligned table, one line per row down to `depth`, then the totals."""
     d = s.dims
-    lines = [f"B = {d['B']} review, T = {d['T']} tokens, C = {d['C']}, H = {d['H']} heads, Dh = {d['Dh']}, "
-             + f"L = {d['L']} labels"]
+    lines = [f"B = {_count(d['B'], 'review')}, T = {_count(d['T'], 'token')}, C = {d['C']}, "
+             + f"H = {_count(d['H'], 'head')}, Dh = {d['Dh']}, L = {_count(d['L'], 'label')}"]
     table = [("layer", "input", "output", "params", "FLOPs/token")]
     for r in s.shown(depth):
         label = "  " * r.depth + (f"{r.name.rsplit('.', 1)[-1]}: {r.kind}" if r.name else r.kind)
@@ -273,6 +275,10 @@ def format_summary(s: Summary, depth: int | None = None) -> str:
     lines.append(f"total: {s.total_params:,} parameters, {_flops_text(s.flops_per_token)} FLOPs per token "
                  f"at T = {d['T']} (matrix products)")
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _shape_text(symbols: str | None, shape: list[int] | None) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from transformer_cli.calibration import softmax
 from transformer_cli.data import Encoded
+from transformer_cli.explain import cut_positions, shown_text
 from transformer_cli.model import explicit_attention
 from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array
 
@@ -28,9 +29,10 @@ _warned: set[str] = set()
 
 
 def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: Encoded, names: list[str],
-                   tokenizer) -> None:
+                   tokenizer, texts: list[str], data_cfg) -> None:
     """PR curves, confusion matrix image and confidently-wrong panel of one validation pass (its
-    metrics, its (N, K) logits of `enc`); nothing without a writer (ranks other than the main one)."""
+    metrics, its (N, K) logits of `enc`, the reviews `texts` encoded by data_cfg's truncation); nothing
+    without a writer (ranks other than the main one)."""
     if writer is None or not torch.isfinite(logits).all():  # a diverged pass: nothing to draw
         return
     probs = softmax(logits)
@@ -39,11 +41,13 @@ def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: 
     if _can_draw():
         fig = confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
         writer.add_image("val/confusion_matrix", rgb_array(fig), step, dataformats="HWC")
-    writer.add_text("val/confidently_wrong", wrong_panel(probs, enc, names, tokenizer), step)
+    writer.add_text("val/confidently_wrong", wrong_panel(probs, enc, names, tokenizer, texts, data_cfg), step)
 
 
-def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, shown: int = WRONG_SHOWN) -> str:
-    """A markdown table of the `shown` wrong predictions with the highest probability."""
+def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, texts: list[str], data_cfg,
+                shown: int = WRONG_SHOWN) -> str:
+    """A markdown table of the `shown` wrong predictions with the highest probability (`texts`: the
+    reviews of `enc`, to tell where one was cut to data_cfg's length)."""
     predicted = probs.argmax(axis=1)
     wrong = np.nonzero(predicted != enc.labels)[0]
     if not len(wrong):
@@ -51,15 +55,17 @@ def wrong_panel(probs: np.ndarray, enc: Encoded, names: list[str], tokenizer, sh
     worst = wrong[np.argsort(-probs[wrong, predicted[wrong]], kind="stable")[:shown]]
     lines = [f"The {len(worst)} most confidently wrong of {len(wrong)} wrong validation reviews (of {len(enc)}):", "",
              "| probability | true | predicted | review |", "|---|---|---|---|"]
-    for i in worst:
+    rows = [enc.ids[enc.offsets[i] : enc.offsets[i + 1]] for i in worst]
+    for i, row, cut in zip(worst, rows, cut_positions(tokenizer, [texts[i] for i in worst], rows, data_cfg)):
         lines.append(f"| {probs[i, predicted[i]]:.3f} | {_cell(names[enc.labels[i]])} | {_cell(names[predicted[i]])} | "
-                     f"{_cell(review_text(enc, i, tokenizer))} |")
+                     f"{_cell(review_text(row, cut, tokenizer))} |")
     return "\n".join(lines)
 
 
-def review_text(enc: Encoded, i: int, tokenizer, chars: int = TEXT_CHARS) -> str:
-    """Review i as the model read it (decoded tokens, after truncation), cut to `chars` characters."""
-    text = tokenizer.decode(enc.ids[enc.offsets[i] : enc.offsets[i + 1]].tolist())
+def review_text(ids: np.ndarray, cut: int | None, tokenizer, chars: int = TEXT_CHARS) -> str:
+    """A review's ids ([CLS] first) as the model read them, shown as `tfm explain` shows them (an
+    ellipsis where it was cut, cut_positions' `cut`), cut to `chars` characters."""
+    text = shown_text([tokenizer.id_to_token(int(t)) or "?" for t in ids[1:]], cut)
     return text if len(text) <= chars else text[: chars - 3] + "..."
 
 
@@ -108,8 +114,11 @@ def pick_review(enc: Encoded, tokens: int = ATTENTION_TOKENS) -> int:
     return int(short[0]) if len(short) else int(np.argmin(enc.lengths))
 
 
-def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer) -> None:
-    """One validation review's attention maps, a panel per layer (heads averaged), as an image."""
+def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer,
+                  temperature: float = 1.0) -> None:
+    """One validation review's attention maps, a panel per layer (heads averaged), as an image, titled
+    with its true label and the label predicted from the tokens drawn, with its probability calibrated
+    by `temperature` (what `tfm predict` prints for the review, where it is drawn whole)."""
     if writer is None or not len(enc) or not _can_draw():
         return
     i = pick_review(enc)
@@ -119,9 +128,11 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     mask = torch.ones_like(ids, dtype=torch.bool)
     maps = [m[0].mean(0).float().cpu().numpy() for m in attention_maps(model, ids, mask)]  # L x (T, T)
     with torch.no_grad():
-        p = model.eval()(ids, mask).float().softmax(-1)[0].cpu()
+        p = (model.eval()(ids, mask).float() / temperature).softmax(-1)[0].cpu()
     tokens = [tokenizer.id_to_token(int(t)) or "?" for t in ids_np]
     title = f"true {names[enc.labels[i]]}, predicted {names[int(p.argmax())]} ({float(p.max()):.3f})"
+    if len(ids_np) < enc.lengths[i]:  # the prediction is of the tokens drawn, not of the whole review
+        title += f" from its first {len(ids_np)} of {enc.lengths[i]} tokens"
     writer.add_image("val/attention", rgb_array(attention_figure(maps, tokens, title)), step, dataformats="HWC")
 
 

@@ -276,8 +276,9 @@ class Classification:
 
     def __init__(self, train: Encoded, val: Encoded, labels: list[str], label_smoothing: float, eval_batch_size: int,
                  select_metric: str = "accuracy", tokenizer=None, adversarial_eps: float = 0.0,
-                 virtual_adversarial_eps: float = 0.0):
+                 virtual_adversarial_eps: float = 0.0, val_texts: list[str] | None = None):
         self.train, self.val, self.labels = train, val, labels
+        self.val_texts = val_texts  # val's reviews, to show where one was cut (TensorBoard pictures)
         self.tokenizer = tokenizer  # the run's, to show validation reviews as text (TensorBoard pictures)
         self.label_smoothing, self.adversarial_eps = label_smoothing, adversarial_eps
         self.virtual_adversarial_eps = virtual_adversarial_eps
@@ -578,7 +579,7 @@ def validate(run: Run, logger: Logger) -> dict:
         m, tags, score = run.task.evaluate(run)
         if isinstance(run.task, Classification) and logger.writer is not None:
             tb_pictures.log_validation(logger.writer, run.state.step, m, run.task.val_logits, run.task.val,
-                                       run.task.labels, run.task.tokenizer)
+                                       run.task.labels, run.task.tokenizer, run.task.val_texts, run.cfg.data)
         st = run.state
         weights_finite = all(torch.isfinite(p).all() for p in run.model.parameters())
         if weights_finite and math.isfinite(m["loss"]) and score > st.best_score:
@@ -867,7 +868,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         load_encoder(model.encoder, Path(tc.init_from))
     task = Classification(data.train, data.val, data.labels, tc.label_smoothing, tc.eval_batch_size,
                           tc.select_metric or "accuracy", data.tokenizer, tc.adversarial_eps,
-                          tc.virtual_adversarial_eps)
+                          tc.virtual_adversarial_eps, data.val_texts)
     files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
@@ -948,7 +949,8 @@ def finish(run: Run, logger: Logger) -> dict:
     if "test" in metrics:
         final["hparam/test_accuracy"] = metrics["test"]["accuracy"]
     logger.hparams(hp, final, st.step)
-    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, task.tokenizer)
+    tb_pictures.log_attention(logger.writer, st.step, run.model, task.val, task.labels, task.tokenizer,
+                              temperature)
     if run.rt.is_main:
         write_json(run.out / ckpt.METRICS_FILE, metrics)
     return metrics
