@@ -120,7 +120,7 @@ def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(args.checkpoint), "--port", "0",
+    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(args.checkpoint.resolve()), "--port", "0",
            "--max-body-bytes", str(MAX_BODY), "--max-texts", str(MAX_TEXTS)]
     for option in ("max_batch_size", "max_wait_ms"):
         if getattr(args, option) is not None:

@@ -1,7 +1,9 @@
 """The scripts in scripts/, on synthetic data and tiny sizes: reproduce_imdb.py end to end with the
 recipes shrunk to seconds, and the benchmarks' tables, JSON and argument errors (never their speed)."""
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -130,6 +132,40 @@ def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     last = done.stderr.strip().splitlines()[-1]  # (a usage error prints the usage first, as argparse does)
     assert last.startswith((script[0].removesuffix(".py") + ": error: ", f"{script[0]}: error: "))
     assert "nothing" in last or "must be" in last
+
+
+@pytest.mark.parametrize(("script", "args"), [
+    ("bench_data", []), ("bench_infer", ["-c", "run"]), ("bench_onnx", ["-c", "run"]), ("bench_pretrain", []),
+    ("bench_train", []), ("loadtest_serve", ["-c", "run"])])
+def test_script_defaults_name_the_checkouts_files_from_any_folder(script, args, tmp_path, monkeypatch):
+    """Default paths resolve against the repository; a path the user gives stays relative to the working folder."""
+    from transformer_cli.config import load_config
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
+    monkeypatch.chdir(tmp_path)
+    parse_args = importlib.import_module(script).parse_args
+    defaults = parse_args(args)
+    assert defaults.data == str(REPO.parent / "shared" / "data" / "imdb")
+    assert parse_args([*args, "--data", "reviews"]).data == "reviews"
+    if script == "bench_pretrain":
+        assert load_config(defaults.config).pretrain.objective  # configs/pretrain.toml, read from tmp_path
+        assert parse_args(["--config", "mine.toml"]).config == "mine.toml"
+
+
+def test_bench_data_reads_relative_paths_from_the_working_folder(synthetic_data_dir, tmp_path):
+    """Its timed child processes run in the folder the script was started from, not in the repository."""
+    out = tmp_path / "data.json"
+    config = tmp_path / "data.toml"
+    config.write_text("[data]\nvocab_size = 300\nmax_length = 32\n")
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_data.py"), "--data",
+           os.path.relpath(synthetic_data_dir, tmp_path), "--config", config.name, "--max-samples", "40",
+           "--json", out.name]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["cold"]["data_config"]["source"] == str(synthetic_data_dir.resolve())
+    assert result["cold"]["data_config"]["vocab_size"] == 300
 
 
 def test_tfidf_baseline_fits_and_validates_on_what_tfm_train_does(synthetic_data_dir, tmp_path, monkeypatch):
@@ -393,10 +429,10 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
 
 
 def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_dir, tmp_path, monkeypatch):
-    out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
-           "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
-    done = run(cmd)
+    out = tmp_path / "infer.json"  # -c relative to the folder it runs in, not to the repository
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", os.path.relpath(trained_dir, tmp_path),
+           "--skip-throughput", "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     cold = json.loads(out.read_text())["cold_start"]
     rows = {r["command"]: r for r in cold["rows"]}

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = "../shared/data/imdb"
+# The local IMDB copy beside the checkout, as an absolute path: the same files from any working folder.
+DEFAULT_DATA = str(REPO.parent / "shared" / "data" / "imdb")
 now = time.perf_counter
 
 
@@ -216,13 +217,15 @@ def child_env(extra: dict | None = None) -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(extra or {})}
 
 
-def run_timed(cmd: Sequence[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
-    """(wall seconds, completed process) of one subprocess run in the repository, output captured. A
-    failed one raises TfmError with the last line it wrote on stderr (a tfm error says it there)."""
+def run_timed(cmd: Sequence[str], env: dict | None = None,
+              cwd: str | Path = REPO) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, completed process) of one subprocess run in `cwd` (default: the repository, so
+    paths in `cmd` must be absolute), output captured. A failed one raises TfmError with the last
+    line it wrote on stderr (a tfm error says it there)."""
     from transformer_cli.errors import TfmError
 
     t0 = now()
-    proc = subprocess.run(list(cmd), env=env or child_env(), cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run(list(cmd), env=env or child_env(), cwd=cwd, capture_output=True, text=True, check=False)
     wall = now() - t0
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no message"])[-1]

@@ -374,6 +374,7 @@ def long_review(path: Path, megabytes: float) -> Path:
 
 def cold_start(model_dir: Path, args, tmp: Path) -> dict:
     py, tfm = sys.executable, bc.venv_script("tfm")
+    model_dir = model_dir.resolve()  # the commands run in the repository, not in the user's folder
     predict = ["predict", "-c", str(model_dir), args.text]
     commands = {
         "python -c pass": [py, "-c", "pass"],
