@@ -125,8 +125,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
     for option in ("max_batch_size", "max_wait_ms"):
         if getattr(args, option) is not None:
             cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
-    env = {**bc.child_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=bc.child_env(), stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()  # "tfm: serving DIR on http://HOST:PORT; ..." once it accepts requests
     if " on http://" not in line:
         proc.wait()

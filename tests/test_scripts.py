@@ -454,6 +454,29 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     assert cold["printed"][long["command"]].split("\t")[:2] == [r["label"], f"{r['score']:.4f}"]
 
 
+def test_bench_infer_cold_start_times_the_checkouts_tfm(tmp_path, monkeypatch):
+    """tfm is timed as `python -m transformer_cli` with this checkout first on PYTHONPATH, never through
+    an installed `tfm` script, which may import another copy of transformer_cli."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
+    import _bench_common as bc
+    import bench_infer
+
+    ran = []
+
+    def run_timed(cmd, env=None, cwd=bc.REPO):
+        ran.append(list(cmd))
+        return 0.1, subprocess.CompletedProcess(cmd, 0, stdout="pos\t0.9000\n", stderr="VmHWM_MB=100\n")
+
+    monkeypatch.setattr(bc, "run_timed", run_timed)
+    bench_infer.cold_start(tmp_path / "run", bench_infer.parse_args(["-c", "run", "--runs", "1", "--long-review-mb", "0"]),
+                           tmp_path)
+    tfm = [cmd for cmd in ran if cmd[1] != "-c"]
+    assert len(tfm) == 2 * 2 and all(cmd[:3] == [sys.executable, "-m", "transformer_cli"] for cmd in tfm)
+    imported = subprocess.run([sys.executable, "-c", "import transformer_cli; print(transformer_cli.__file__)"],
+                              cwd=tmp_path, env=bc.child_env(), capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == str(REPO / "transformer_cli" / "__init__.py")
+
+
 def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_pretrain.py"), "--mode", "synthetic",

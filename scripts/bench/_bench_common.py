@@ -213,8 +213,10 @@ def peak_rss_mb() -> float:
 
 
 def child_env(extra: dict | None = None) -> dict:
-    """This environment, offline (children must never reach for the Hub), plus `extra`."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(extra or {})}
+    """This environment, offline (children must never reach for the Hub), with this checkout first on
+    PYTHONPATH (a child imports the transformer_cli being benchmarked, not an installed copy), plus `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": path, **(extra or {})}
 
 
 def run_timed(cmd: Sequence[str], env: dict | None = None,
@@ -253,12 +255,6 @@ def last_json_line(text: str) -> dict:
         if line.strip().startswith("{"):
             return json.loads(line)
     raise ValueError(f"no JSON line in child output:\n{text[-2000:]}")
-
-
-def venv_script(name: str) -> str:
-    """An entry point installed next to this interpreter (e.g. .venv/bin/tfm), else the name on PATH."""
-    p = Path(sys.executable).parent / name
-    return str(p) if p.exists() else name
 
 
 # --------------------------------------------------------------------------- output
