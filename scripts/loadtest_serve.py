@@ -120,13 +120,12 @@ def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
-    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(args.checkpoint), "--port", "0",
+    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(args.checkpoint.resolve()), "--port", "0",
            "--max-body-bytes", str(MAX_BODY), "--max-texts", str(MAX_TEXTS)]
     for option in ("max_batch_size", "max_wait_ms"):
         if getattr(args, option) is not None:
             cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
-    env = {**bc.child_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=bc.child_env(), stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()  # "tfm: serving DIR on http://HOST:PORT; ..." once it accepts requests
     if " on http://" not in line:
         proc.wait()

@@ -525,6 +525,24 @@ def test_a_label_column_of_distinct_values_is_named(tmp_path):
     assert names == ["0", "1", "2"] and len(train) + len(val) == 12
 
 
+def test_a_file_datasets_does_not_take_as_a_split_is_named_with_what_to_do(tmp_path, csv_rows):
+    """unsupervised.csv beside train.csv and test.csv, no README: `datasets` takes only train, test and
+    validation by their file names, so the error says why the file was not read and how to name it."""
+    for name, rows in (("train", csv_rows[:6]), ("test", csv_rows[6:]), ("unsupervised", csv_rows)):
+        write_csv(tmp_path / f"{name}.csv", rows)
+    named = f"train={tmp_path / 'train.csv'},unsupervised={tmp_path / 'unsupervised.csv'}"
+    hint = re.escape(f"did not read {tmp_path / 'unsupervised.csv'} as split 'unsupervised': name the files "
+                     f"instead (--data {named}), or add a README.md whose configs: section")
+    with pytest.raises(UsageError, match=r"has no 'unsupervised' split \(it has: train, test\); .*" + hint):
+        load_splits(cfg_for(tmp_path), ("train", "unsupervised"))
+    with pytest.raises(UsageError, match=r"data.val_split = 'unsupervised': .* has no such split; .*" + hint):
+        train_val_splits(dataclasses.replace(cfg_for(tmp_path), val_split="unsupervised"), seed=0)
+    splits, _ = load_splits(cfg_for(named), ("train", "unsupervised"))  # what it says to do
+    assert pairs(splits["unsupervised"]) == [(r["text"], r["label"]) for r in csv_rows]
+    with pytest.raises(UsageError, match=r"has no 'dev' split \(it has: train, test\)$"):  # no file of that name
+        load_splits(cfg_for(tmp_path), ("dev",))
+
+
 def test_optional_splits_are_loaded_when_the_dataset_has_them(tmp_path, csv_rows):
     a = write_csv(tmp_path / "a.csv", csv_rows[:8])
     b = write_csv(tmp_path / "b.csv", csv_rows[8:])

@@ -2,6 +2,7 @@
 checks and JSON (never its speed)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -14,10 +15,11 @@ pytest.importorskip("uvicorn")
 
 def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, synthetic_data_dir, tmp_path):
     out = tmp_path / "load.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "loadtest_serve.py"), "-c", str(trained_dir),
-           "--data", str(synthetic_data_dir), "--texts", "40", "--requests", "30", "--concurrency", "1,4",
+    # -c and --data relative to the folder it runs in (the server runs in the repository)
+    cmd = [sys.executable, str(REPO / "scripts" / "loadtest_serve.py"), "-c", os.path.relpath(trained_dir, tmp_path),
+           "--data", os.path.relpath(synthetic_data_dir, tmp_path), "--texts", "40", "--requests", "30", "--concurrency", "1,4",
            "--texts-per-request", "2", "--latency-requests", "5", "--malformed", "27", "--json", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CONFIGS, make_examples, read_scalars, tiny_config
+from conftest import CONFIGS, make_examples, read_scalars, tiny_config, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from transformer_cli import checkpoint as ckpt
@@ -343,6 +343,21 @@ def test_a_missing_split_is_one_clear_error(synthetic_data_dir, tmp_path):
     cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__splits=["unlabelled"])
     with pytest.raises(UsageError, match="has no split unlabelled"):
         text_splits(cfg)
+
+
+def test_a_default_split_whose_file_datasets_does_not_read_is_refused_not_left_out(tmp_path):
+    """A folder of train, test and unsupervised.jsonl: `datasets` sees train and test only. Pretraining on
+    train alone would leave the unlabelled reviews out without a word; the error says how to name them."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for seed, name in enumerate(("train", "test", "unsupervised")):
+        write_jsonl(folder / f"{name}.jsonl", make_examples(10 + seed, seed=seed))
+    named = f"train={folder / 'train.jsonl'},unsupervised={folder / 'unsupervised.jsonl'}"
+    with pytest.raises(UsageError, match=r"has no split unsupervised \(it has: train, test\); .*" + re.escape(
+            f"did not read {folder / 'unsupervised.jsonl'} as split 'unsupervised': name the files instead "
+            f"(--data {named})")):
+        text_splits(pretrain_config(folder, tmp_path / "run"))
+    assert [len(t) for t in text_splits(pretrain_config(named, tmp_path / "run"))] == [12, 10]
 
 
 # --------------------------------------------------------------------------- a run

@@ -1,16 +1,18 @@
 """Self-training: `tfm pseudo-label` and `tfm train data.pseudo_labels=FILE`."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, read_jsonl, write_jsonl
+from conftest import CONFIGS, make_examples, read_jsonl, write_jsonl
 from test_cli import assert_fails_cleanly, json_lines, tfm
 
 from transformer_cli.config import DataConfig
 from transformer_cli.data import prepare_train_data, train_val_splits
-from transformer_cli.errors import TfmError
+from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.pseudo import UNLABELLED_SPLIT, split_table
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +208,20 @@ def test_train_on_pseudo_labels_through_the_cli(trained_dir, synthetic_data_dir,
             "--no-progress", f"data.pseudo_labels={json.dumps(str(labels))}", "data.pseudo_min_score=0.8")
     assert r.exit_code == 0, r.stderr
     assert json.loads((out / "config.json").read_text())["data"]["pseudo_labels"] == str(labels)
+
+
+def test_an_unsupervised_file_the_folder_does_not_read_as_a_split_is_named(tmp_path):
+    """unsupervised.jsonl beside train.jsonl and test.jsonl: `datasets` takes only train/test/validation by
+    their file names; the error says so and how to name the file, not just "pass --split"."""
+    for name in ("train", "test", "unsupervised"):
+        write_jsonl(tmp_path / f"{name}.jsonl", make_examples(10, seed=1))
+    message = (f"'{tmp_path}' has no split 'unsupervised' (it has: train, test); `datasets` reads a folder's files "
+               f"as splits only by the names train, test and validation (or variants such as dev), so it did not read "
+               f"{tmp_path / 'unsupervised.jsonl'} as split 'unsupervised': name the files instead "
+               f"(--data unsupervised={tmp_path / 'unsupervised.jsonl'})")
+    with pytest.raises(UsageError, match=re.escape(message)):
+        split_table(str(tmp_path), UNLABELLED_SPLIT, "text")
+    assert len(split_table(f"unsupervised={tmp_path / 'unsupervised.jsonl'}", UNLABELLED_SPLIT, "text")) == 10
 
 
 def test_pseudo_label_usage_errors(trained_dir, synthetic_data_dir, tmp_path):

@@ -1,7 +1,9 @@
 """The scripts in scripts/, on synthetic data and tiny sizes: reproduce_imdb.py end to end with the
 recipes shrunk to seconds, and the benchmarks' tables, JSON and argument errors (never their speed)."""
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -130,6 +132,40 @@ def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     last = done.stderr.strip().splitlines()[-1]  # (a usage error prints the usage first, as argparse does)
     assert last.startswith((script[0].removesuffix(".py") + ": error: ", f"{script[0]}: error: "))
     assert "nothing" in last or "must be" in last
+
+
+@pytest.mark.parametrize(("script", "args"), [
+    ("bench_data", []), ("bench_infer", ["-c", "run"]), ("bench_onnx", ["-c", "run"]), ("bench_pretrain", []),
+    ("bench_train", []), ("loadtest_serve", ["-c", "run"])])
+def test_script_defaults_name_the_checkouts_files_from_any_folder(script, args, tmp_path, monkeypatch):
+    """Default paths resolve against the repository; a path the user gives stays relative to the working folder."""
+    from transformer_cli.config import load_config
+
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
+    monkeypatch.chdir(tmp_path)
+    parse_args = importlib.import_module(script).parse_args
+    defaults = parse_args(args)
+    assert defaults.data == str(REPO.parent / "shared" / "data" / "imdb")
+    assert parse_args([*args, "--data", "reviews"]).data == "reviews"
+    if script == "bench_pretrain":
+        assert load_config(defaults.config).pretrain.objective  # configs/pretrain.toml, read from tmp_path
+        assert parse_args(["--config", "mine.toml"]).config == "mine.toml"
+
+
+def test_bench_data_reads_relative_paths_from_the_working_folder(synthetic_data_dir, tmp_path):
+    """Its timed child processes run in the folder the script was started from, not in the repository."""
+    out = tmp_path / "data.json"
+    config = tmp_path / "data.toml"
+    config.write_text("[data]\nvocab_size = 300\nmax_length = 32\n")
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_data.py"), "--data",
+           os.path.relpath(synthetic_data_dir, tmp_path), "--config", config.name, "--max-samples", "40",
+           "--json", out.name]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["cold"]["data_config"]["source"] == str(synthetic_data_dir.resolve())
+    assert result["cold"]["data_config"]["vocab_size"] == 300
 
 
 def test_tfidf_baseline_fits_and_validates_on_what_tfm_train_does(synthetic_data_dir, tmp_path, monkeypatch):
@@ -393,10 +429,10 @@ def test_bench_infer_times_evaluation_and_compares_the_compiled_model(trained_di
 
 
 def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_dir, tmp_path, monkeypatch):
-    out = tmp_path / "infer.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", str(trained_dir), "--skip-throughput",
-           "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
-    done = run(cmd)
+    out = tmp_path / "infer.json"  # -c relative to the folder it runs in, not to the repository
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_infer.py"), "-c", os.path.relpath(trained_dir, tmp_path),
+           "--skip-throughput", "--runs", "1", "--long-review-mb", "0.3", "--json", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     cold = json.loads(out.read_text())["cold_start"]
     rows = {r["command"]: r for r in cold["rows"]}
@@ -416,6 +452,29 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     monkeypatch.setattr(data_mod, "LONG_TEXT_CHARS", len(text))
     (r,) = predict_texts(trained_dir, [text], device="cpu")
     assert cold["printed"][long["command"]].split("\t")[:2] == [r["label"], f"{r['score']:.4f}"]
+
+
+def test_bench_infer_cold_start_times_the_checkouts_tfm(tmp_path, monkeypatch):
+    """tfm is timed as `python -m transformer_cli` with this checkout first on PYTHONPATH, never through
+    an installed `tfm` script, which may import another copy of transformer_cli."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts" / "bench"))
+    import _bench_common as bc
+    import bench_infer
+
+    ran = []
+
+    def run_timed(cmd, env=None, cwd=bc.REPO):
+        ran.append(list(cmd))
+        return 0.1, subprocess.CompletedProcess(cmd, 0, stdout="pos\t0.9000\n", stderr="VmHWM_MB=100\n")
+
+    monkeypatch.setattr(bc, "run_timed", run_timed)
+    bench_infer.cold_start(tmp_path / "run", bench_infer.parse_args(["-c", "run", "--runs", "1", "--long-review-mb", "0"]),
+                           tmp_path)
+    tfm = [cmd for cmd in ran if cmd[1] != "-c"]
+    assert len(tfm) == 2 * 2 and all(cmd[:3] == [sys.executable, "-m", "transformer_cli"] for cmd in tfm)
+    imported = subprocess.run([sys.executable, "-c", "import transformer_cli; print(transformer_cli.__file__)"],
+                              cwd=tmp_path, env=bc.child_env(), capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == str(REPO / "transformer_cli" / "__init__.py")
 
 
 def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(tmp_path):

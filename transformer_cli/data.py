@@ -157,6 +157,32 @@ def open_dataset(source: str):
                        "split, e.g. train.csv and test.csv)") from None
 
 
+def unread_split_hint(source: str, missing: Iterable[str], others: Iterable[str] = ()) -> str:
+    """Why a data file in the folder `source` named for one of the `missing` splits (unsupervised.csv,
+    unsupervised-00000-of-00001.parquet) is not that split, and what to do, as "; ..." to end a "has no
+    split" error; "" where there is no such file. `others`: the splits the command reads beside them, for
+    the example of named files."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return ""
+
+    def named_for(split: str) -> list[Path]:
+        pattern = re.compile(rf"{re.escape(split)}([-_.]|$)", re.IGNORECASE)
+        return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FILE_BUILDERS
+                      and pattern.match(p.stem) and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+
+    found = {split: files for split in missing if (files := named_for(split))}
+    if not found:
+        return ""
+    named = {split: named_for(split) for split in others} | found
+    example = (",".join(f"{split}={files[0]}" for split, files in named.items())
+               if all(len(files) == 1 for files in named.values()) else "SPLIT=FILE,SPLIT=FILE")
+    unread = ", ".join(f"{files[0]} as split '{split}'" for split, files in found.items())
+    return ("; `datasets` reads a folder's files as splits only by the names train, test and validation (or "
+            f"variants such as dev), so it did not read {unread}: name the files instead (--data {example}), or "
+            "add a README.md whose configs: section lists the splits and their files, as IMDB's has")
+
+
 def open_dataset_files(files: dict[str, str]):
     """The `datasets.DatasetDict` of data files, one per split name, all of one type (FILE_BUILDERS)."""
     import datasets
@@ -280,7 +306,8 @@ def _from_dataset_dict(ds, cfg: DataConfig, splits: tuple[str, ...], name: str, 
     out: dict[str, RawSplit] = {}
     for split in (*splits, *(s for s in optional if s in ds and s not in splits)):
         if split not in ds:
-            raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})")
+            raise UsageError(f"dataset '{name}' has no '{split}' split (it has: {', '.join(ds)})"
+                             + unread_split_hint(name, [split], [s for s in splits if s in ds]))
         try:
             out[split], label_names = _one_split(ds[split], cfg, split, name, label_names)
         except TfmError as e:
@@ -771,8 +798,9 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     optional = (cfg.val_split,) if cfg.val_split else ()
     raw, label_names = load_splits(cfg, ("train", *needed), optional, label_names)
     if cfg.val_split and cfg.val_split not in raw and cfg.val_split != DEFAULT_VAL_SPLIT:
+        hint = unread_split_hint(cfg.source, [cfg.val_split], ["train", *needed])
         raise UsageError(f"data.val_split = '{cfg.val_split}': '{cfg.source}' has no such split; name one it has, "
-                         'or set data.val_split = "" to hold out part of train')
+                         'or set data.val_split = "" to hold out part of train' + hint)
     full = raw["train"]
     if len(full) < 2:
         raise TfmError(f"the train split of '{cfg.source}' has {len(full)} example(s); need at least 2")

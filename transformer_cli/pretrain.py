@@ -36,6 +36,7 @@ from transformer_cli.data import (
     encode_texts,
     open_text_source,
     text_chunks,
+    unread_split_hint,
 )
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
@@ -69,12 +70,15 @@ def text_splits(cfg: Config) -> list:
     source, pc = cfg.data.source, cfg.pretrain
     ds = open_text_source(source)
     # The default splits are those IMDB has; another source is read in those of them it has.
+    # A default split that is missing only because `datasets` did not take its file as one
+    # (unsupervised.csv beside train.csv) is refused too, not silently left out.
     default = pc.splits == PretrainConfig().splits
-    wanted = [s for s in pc.splits if s in ds] if default else list(pc.splits)
-    missing = [s for s in wanted if s not in ds]
-    if missing or not wanted:
-        raise UsageError(f"'{source}' has no split {', '.join(missing or pc.splits)} (it has: {', '.join(ds)}); "
-                         "name the splits to read with pretrain.splits=[...]")
+    absent, present = [s for s in pc.splits if s not in ds], [s for s in pc.splits if s in ds]
+    hint = unread_split_hint(source, absent, present)
+    if hint or not present or (absent and not default):
+        raise UsageError(f"'{source}' has no split {', '.join(absent)} (it has: {', '.join(ds)})"
+                         + (hint or "; name the splits to read with pretrain.splits=[...]"))
+    wanted = present
     column = cfg.data.text_column
     for split in wanted:
         if column not in ds[split].column_names:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer_cli.data import open_text_source, sample_indices, source_files, text_chunks
+from transformer_cli.data import open_text_source, sample_indices, source_files, text_chunks, unread_split_hint
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
 from transformer_cli.fileio import atomic_writer, check_output_path
@@ -36,7 +36,8 @@ def split_table(source: str, split: str, column: str, max_samples: int | None = 
     text before any is labelled."""
     ds = open_text_source(source)
     if split not in ds:
-        raise UsageError(f"'{source}' has no split '{split}' (it has: {', '.join(ds)}); pass --split")
+        raise UsageError(f"'{source}' has no split '{split}' (it has: {', '.join(ds)})"
+                         + (unread_split_hint(source, [split]) or "; pass --split"))
     if column not in ds[split].column_names:
         raise TfmError(f"split '{split}' of '{source}' has no column '{column}' (columns: "
                        f"{', '.join(ds[split].column_names)}); set the teachers' data.text_column")

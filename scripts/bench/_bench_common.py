@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = "../shared/data/imdb"
+# The local IMDB copy beside the checkout, as an absolute path: the same files from any working folder.
+DEFAULT_DATA = str(REPO.parent / "shared" / "data" / "imdb")
 now = time.perf_counter
 
 
@@ -212,17 +213,21 @@ def peak_rss_mb() -> float:
 
 
 def child_env(extra: dict | None = None) -> dict:
-    """This environment, offline (children must never reach for the Hub), plus `extra`."""
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(extra or {})}
+    """This environment, offline (children must never reach for the Hub), with this checkout first on
+    PYTHONPATH (a child imports the transformer_cli being benchmarked, not an installed copy), plus `extra`."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": path, **(extra or {})}
 
 
-def run_timed(cmd: Sequence[str], env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
-    """(wall seconds, completed process) of one subprocess run in the repository, output captured. A
-    failed one raises TfmError with the last line it wrote on stderr (a tfm error says it there)."""
+def run_timed(cmd: Sequence[str], env: dict | None = None,
+              cwd: str | Path = REPO) -> tuple[float, subprocess.CompletedProcess]:
+    """(wall seconds, completed process) of one subprocess run in `cwd` (default: the repository, so
+    paths in `cmd` must be absolute), output captured. A failed one raises TfmError with the last
+    line it wrote on stderr (a tfm error says it there)."""
     from transformer_cli.errors import TfmError
 
     t0 = now()
-    proc = subprocess.run(list(cmd), env=env or child_env(), cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run(list(cmd), env=env or child_env(), cwd=cwd, capture_output=True, text=True, check=False)
     wall = now() - t0
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
@@ -250,12 +255,6 @@ def last_json_line(text: str) -> dict:
         if line.strip().startswith("{"):
             return json.loads(line)
     raise ValueError(f"no JSON line in child output:\n{text[-2000:]}")
-
-
-def venv_script(name: str) -> str:
-    """An entry point installed next to this interpreter (e.g. .venv/bin/tfm), else the name on PATH."""
-    p = Path(sys.executable).parent / name
-    return str(p) if p.exists() else name
 
 
 # --------------------------------------------------------------------------- output

@@ -131,7 +131,7 @@ def run_child(args, env: dict) -> dict:
         cmd += ["--config", str(args.config)]
     if args.max_samples:
         cmd += ["--max-samples", str(args.max_samples)]
-    wall, proc = bc.run_timed(cmd, env=env)
+    wall, proc = bc.run_timed(cmd, env=env, cwd=Path.cwd())  # --data and --config as the user gave them
     out = bc.last_json_line(proc.stdout)
     out["wall_sec"] = wall
     return out

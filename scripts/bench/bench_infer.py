@@ -40,7 +40,9 @@ What it measures
     (ii) Cold start of fresh subprocesses (the first model), median of --runs, interleaved, after one
          untimed round (so that files are in the page cache): python -c pass, python -c "import
          torch", tfm --help, tfm predict -c MODEL TEXT; checked against the targets tfm --help <= 0.5 s
-         and predict <= import torch + 0.5 s. With --long-review-mb N (default 50; 0 = off) also
+         and predict <= import torch + 0.5 s. tfm runs as `python -m transformer_cli` in the
+         repository with it first on PYTHONPATH: the checkout being benchmarked, not the copy an
+         installed `tfm` script may import. With --long-review-mb N (default 50; 0 = off) also
          tfm predict -c MODEL --file LONG, LONG one review of N MB (seeded words, `<br` and `/>`),
          as a ratio to predict TEXT; and the peak RSS (VmHWM) of both predicts, from one more run each.
 
@@ -354,7 +356,7 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 
 
 # `tfm` run by a Python that prints its peak resident memory last, on stderr; it imports
-# transformer_cli from where `tfm` does (not from the working directory, which `python -c` puts first).
+# transformer_cli from the checkout on PYTHONPATH (bc.child_env), as the timed commands do.
 WITH_PEAK_RSS = ("import atexit, sys; sys.path[0] = {scripts!r}; import _bench_common as bc; "
                  "atexit.register(lambda: print(f'VmHWM_MB={{bc.peak_rss_mb()}}', file=sys.stderr)); "
                  "from transformer_cli.cli import main; main()")
@@ -373,18 +375,22 @@ def long_review(path: Path, megabytes: float) -> Path:
 
 
 def cold_start(model_dir: Path, args, tmp: Path) -> dict:
-    py, tfm = sys.executable, bc.venv_script("tfm")
+    # tfm as `python -m transformer_cli`, with this checkout on PYTHONPATH (bc.child_env), in the
+    # repository: the code being benchmarked, not whatever copy an installed `tfm` script imports
+    py = sys.executable
+    tfm = [py, "-m", "transformer_cli"]
+    model_dir = model_dir.resolve()  # the commands run in the repository, not in the user's folder
     predict = ["predict", "-c", str(model_dir), args.text]
     commands = {
         "python -c pass": [py, "-c", "pass"],
         "python -c 'import torch'": [py, "-c", "import torch"],
-        "tfm --help": [tfm, "--help"],
-        "tfm predict -c MODEL TEXT": [tfm, *predict],
+        "tfm --help": [*tfm, "--help"],
+        "tfm predict -c MODEL TEXT": [*tfm, *predict],
     }
     if args.long_review_mb > 0:
         long = long_review(tmp / "long-review.txt", args.long_review_mb)
         long_predict = ["predict", "-c", str(model_dir), "--file", str(long)]
-        commands[f"tfm predict -c MODEL --file LONG ({args.long_review_mb:g} MB)"] = [tfm, *long_predict]
+        commands[f"tfm predict -c MODEL --file LONG ({args.long_review_mb:g} MB)"] = [*tfm, *long_predict]
     times: dict[str, list[float]] = {name: [] for name in commands}
     printed = {}
     for r in range(args.runs + 1):  # round 0 is the untimed warm-up

@@ -52,7 +52,8 @@ from transformer_cli.train import build_run, seed_everything, train_step
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/pretrain.toml", help="the pretraining recipe")
+    p.add_argument("--config", default=str(bc.REPO / "configs" / "pretrain.toml"),
+                   help="the pretraining recipe (default: the checkout's configs/pretrain.toml)")
     p.add_argument("--data", default=bc.DEFAULT_DATA, help="dataset for --mode imdb")
     p.add_argument("--mode", choices=["imdb", "synthetic"], default="imdb")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
