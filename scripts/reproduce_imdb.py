@@ -11,9 +11,13 @@ DATA -o OUT/pretrain` (its time is the row "pretrain"), then for each seed `tfm 
 configs/finetune.toml --init-from OUT/pretrain`. "scratch" is its ablation: the same fine-tuning
 with the same encoder sizes from random init (the sizes of configs/pretrain.toml as overrides).
 "self-trained" goes on from "pretrained": each seed's fine-tuned model labels the dataset's
-`unsupervised` split (`tfm pseudo-label -c OUT/pretrained-sSEED -o OUT/pseudo-sSEED.jsonl`), and a
-student fine-tunes the same encoder on train and those labels (`tfm train --config
-configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-sSEED.jsonl`).
+`unsupervised` split (`tfm pseudo-label -c OUT/pretrained-sSEED -o OUT/pseudo-pretrained-sSEED.jsonl`),
+and a student fine-tunes the same encoder on train and those labels (`tfm train --config
+configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-pretrained-sSEED.jsonl`).
+"taught" is the default recipe taught by the "wide-and-deep" run of its seed: that run labels the
+`unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
+train and the labels it gave a probability of at least 0.9 (`tfm train
+data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl data.pseudo_min_score=0.9`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch".
 
@@ -51,7 +55,10 @@ import tomllib
 from transformer_cli.config import CLASSIFIER_ONLY, ENCODER_FIELDS
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "seed")
+RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "taught", "seed")
+# A student recipe's teacher: the run of the student's seed that labels the unlabelled reviews for it.
+TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
+TAUGHT_MIN_SCORE = 0.9  # "taught" keeps the labels its teacher gave at least this probability
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
@@ -78,8 +85,9 @@ def run(cmd: list[str], stdout=None) -> None:
 TFM = [sys.executable, "-m", "transformer_cli"]
 
 
-def pseudo_labels(seed: int, out_root: Path) -> Path:
-    return out_root / f"pseudo-s{seed}.jsonl"
+def pseudo_labels(recipe: str, seed: int, out_root: Path) -> Path:
+    """The labels that the teacher of student `recipe` gave the unlabelled reviews."""
+    return out_root / f"pseudo-{TEACHERS[recipe]}-s{seed}.jsonl"
 
 
 def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> list[str]:
@@ -91,7 +99,10 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
         return ["--config", str(finetune_toml), "--init-from", str(out_root / "pretrain")]
     if recipe == "self-trained":
         return ["--config", str(ROOT / "configs" / "self-train.toml"), "--init-from", str(out_root / "pretrain"),
-                f"data.pseudo_labels={json.dumps(str(pseudo_labels(seed, out_root)))}"]
+                f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
+    if recipe == "taught":
+        return [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}",
+                f"data.pseudo_min_score={TAUGHT_MIN_SCORE}"]
     if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
         with open(pretrain_toml, "rb") as f:
             sizes = tomllib.load(f)
@@ -124,17 +135,19 @@ def pretrained_encoder(data: str, out_root: Path, extra: list[str], pair: str = 
             "val": metrics["val"], "command": (out / COMMAND_FILE).read_text().strip()}
 
 
-def teacher_labels(seed: int, data: str, out_root: Path, extra: list[str]) -> None:
-    """The "pretrained" run of `seed` (trained if need be) labels the unlabelled reviews, once."""
-    teacher = one("pretrained", seed, data, out_root, extra)["out"]
-    if not pseudo_labels(seed, out_root).exists():  # written whole or not at all
-        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(pseudo_labels(seed, out_root))])
+def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: list[str]) -> None:
+    """The teacher of student `recipe`, its run of `seed` (trained if need be), labels the unlabelled
+    reviews, once."""
+    teacher = one(TEACHERS[recipe], seed, data, out_root, extra)["out"]
+    labels = pseudo_labels(recipe, seed, out_root)
+    if not labels.exists():  # written whole or not at all
+        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(labels)])
 
 
 def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
     out = out_root / f"{recipe}-s{seed}"
-    if recipe == "self-trained":
-        teacher_labels(seed, data, out_root, extra)
+    if recipe in TEACHERS:
+        teacher_labels(recipe, seed, data, out_root, extra)
     train_cmd = [*TFM, "train", *config_args(recipe, seed, out_root, pair), "--data", data, "-o", str(out), "--seed",
                  str(seed), *extra]
     test_json, command_txt = out / "test.json", out / COMMAND_FILE

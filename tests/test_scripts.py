@@ -524,10 +524,30 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
     assert tuned["data"]["max_eval_samples"] == student["data"]["max_eval_samples"] == 1000
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("data", "vocab_size"), ("data", "max_length")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
-    labels = [json.loads(line) for line in (runs / "pseudo-s1.jsonl").read_text().splitlines()]
+    labels = [json.loads(line) for line in (runs / "pseudo-pretrained-s1.jsonl").read_text().splitlines()]
     assert len(labels) == 60 and {row["label"] for row in labels} <= {"neg", "pos"}
-    assert student["data"]["pseudo_labels"] == str(runs / "pseudo-s1.jsonl")
+    assert student["data"]["pseudo_labels"] == str(runs / "pseudo-pretrained-s1.jsonl")
     assert student["data"]["pseudo_min_score"] == 0.9
+
+
+def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_labels(unlabelled_data_dir, tmp_path):
+    """"taught": the wide-and-deep run of the seed labels the unlabelled reviews, and the default
+    recipe (no n-gram path, no encoder) trains on train and the labels it was sure of."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
+           "--out", str(runs), "--recipes", "taught", "--seeds", "1", "--", *SHRINK, "train.max_steps=8"]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ")][1:] == ["taught"]
+    teacher, student = (json.loads((runs / f"{name}-s1" / "config.json").read_text())
+                        for name in ("wide-and-deep", "taught"))
+    assert teacher["model"]["ngram_buckets"] > 0 and student["model"]["ngram_buckets"] == 0
+    assert student["train"]["init_from"] is None and student["train"]["seed"] == teacher["train"]["seed"] == 1
+    labels = [json.loads(line) for line in (runs / "pseudo-wide-and-deep-s1.jsonl").read_text().splitlines()]
+    assert len(labels) == 60 and {row["label"] for row in labels} <= {"neg", "pos"}
+    assert student["data"]["pseudo_labels"] == str(runs / "pseudo-wide-and-deep-s1.jsonl")
+    assert student["data"]["pseudo_min_score"] == 0.9
+    assert "data.pseudo_min_score=0.9" in (runs / "taught-s1" / "command.txt").read_text()
 
 
 def test_reproduce_runs_the_gpu_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path):
