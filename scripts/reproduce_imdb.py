@@ -16,8 +16,7 @@ and a student fine-tunes the same encoder on train and those labels (`tfm train 
 configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-pretrained-sSEED.jsonl`).
 "taught" is the default recipe taught by the "wide-and-deep" run of its seed: that run labels the
 `unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
-train and the labels it gave a probability of at least 0.9 (`tfm train
-data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl data.pseudo_min_score=0.9`).
+train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch".
 
@@ -58,7 +57,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "taught", "seed")
 # A student recipe's teacher: the run of the student's seed that labels the unlabelled reviews for it.
 TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
-TAUGHT_MIN_SCORE = 0.9  # "taught" keeps the labels its teacher gave at least this probability
 # The protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
@@ -101,8 +99,7 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
         return ["--config", str(ROOT / "configs" / "self-train.toml"), "--init-from", str(out_root / "pretrain"),
                 f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
     if recipe == "taught":
-        return [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}",
-                f"data.pseudo_min_score={TAUGHT_MIN_SCORE}"]
+        return [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
     if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
         with open(pretrain_toml, "rb") as f:
             sizes = tomllib.load(f)
