@@ -454,6 +454,20 @@ def test_bench_infer_cold_start_predicts_a_long_review_as_encoded_whole(trained_
     assert cold["printed"][long["command"]].split("\t")[:2] == [r["label"], f"{r['score']:.4f}"]
 
 
+def test_bench_scripts_import_the_transformer_cli_beside_them(tmp_path):
+    """A bench script run from another checkout times that checkout's package in process, not the
+    copy that happens to be installed."""
+    bench = tmp_path / "checkout" / "scripts" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "_bench_common.py").write_text((REPO / "scripts" / "bench" / "_bench_common.py").read_text())
+    (tmp_path / "checkout" / "transformer_cli").mkdir()
+    (tmp_path / "checkout" / "transformer_cli" / "__init__.py").write_text("WHERE = 'the other checkout'\n")
+    script = bench / "bench_where.py"
+    script.write_text("import _bench_common\nimport transformer_cli\nprint(transformer_cli.WHERE)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert out.stdout.strip() == "the other checkout"
+
+
 def test_bench_infer_cold_start_times_the_checkouts_tfm(tmp_path, monkeypatch):
     """tfm is timed as `python -m transformer_cli` with this checkout first on PYTHONPATH, never through
     an installed `tfm` script, which may import another copy of transformer_cli."""

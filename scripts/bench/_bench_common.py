@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[2]
+# In-process timings are of this checkout's transformer_cli, not of another copy that is installed
+# (the subprocesses get the same through child_env's PYTHONPATH).
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 # The local IMDB copy beside the checkout, as an absolute path: the same files from any working folder.
 DEFAULT_DATA = str(REPO.parent / "shared" / "data" / "imdb")
 now = time.perf_counter
