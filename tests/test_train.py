@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_examples, needs_cxx, read_scalars, tiny_config, write_jsonl
 from safetensors.torch import load_file
 
@@ -405,6 +406,47 @@ def test_a_forced_resume_uses_the_new_optimizer_settings(synthetic_data_dir, tmp
     groups = tensors["optimizer"]["param_groups"]
     assert [g["weight_decay"] for g in groups] == [0.0, 0.0, 0.0]
     assert all(tuple(g["betas"]) == (0.9, 0.9) for g in groups) and groups[2]["lr_scale"] == 3.0
+
+
+def test_checkpoints_keep_the_random_state_of_the_runs_own_gpu(monkeypatch):
+    """Only the run's GPU: a resume that sees fewer GPUs, or other ones, still restores it."""
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.tensor([device.index], dtype=torch.uint8))
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state.tolist(), device)))
+    gpu = torch.device("cuda", 1)
+    json_part, tensors = train_mod._rng_state(gpu)
+    assert tensors["cuda"].tolist() == [1]
+    train_mod._set_rng_state(json_part, tensors, gpu)
+    every_gpu = [torch.tensor([7], dtype=torch.uint8), torch.tensor([8], dtype=torch.uint8)]  # older checkpoints
+    train_mod._set_rng_state(json_part, {**tensors, "cuda": every_gpu}, gpu)
+    train_mod._set_rng_state(json_part, {**tensors, "cuda": every_gpu}, torch.device("cuda", 2))  # not saved: left
+    train_mod._set_rng_state(json_part, tensors, torch.device("cpu"))  # a CPU run leaves the GPUs alone
+    assert restored == [([1], gpu), ([8], gpu)]
+    assert "cuda" not in train_mod._rng_state(torch.device("cpu"))[1]
+
+
+def test_a_forced_resume_with_larger_batches_goes_on_from_the_next_epoch(synthetic_data_dir, tmp_path):
+    """Saved 20 batches into an epoch that now has fewer than 20: the run starts the next epoch (it
+    used to loop without end, rebuilding that epoch's batches)."""
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__batch_size=8, train__max_steps=20), progress=False)
+    saved, _ = ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])
+    assert (saved["state"]["epoch"], saved["state"]["batch_in_epoch"]) == (0, 20)  # 45 batches an epoch of 8
+
+    def hung(signum, frame):
+        raise TimeoutError("the resumed run did not end")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        resumed = train(tiny_config(synthetic_data_dir, out, train__batch_size=32, train__max_steps=24), resume=True,
+                        force=True, progress=False)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert resumed["steps"] == 24
+    state = ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[0]["state"]
+    assert (state["epoch"], state["batch_in_epoch"]) == (1, 4)  # epoch 1 from its start, in batches of 32
 
 
 def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):

@@ -201,13 +201,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _rng_state() -> tuple[dict, dict]:
+def _rng_state(device: torch.device) -> tuple[dict, dict]:
     json_part = {"python": _jsonable(random.getstate())}
     np_state = np.random.get_state()
     json_part["numpy"] = [np_state[0], np_state[1].tolist(), *np_state[2:]]
     tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":  # the run's GPU alone: a resume may see fewer GPUs, or others
+        tensors["cuda"] = torch.cuda.get_rng_state(device)
     if torch.backends.mps.is_available():  # dropout on an Apple GPU draws from its own generator
         tensors["mps"] = torch.mps.get_rng_state()
     return json_part, tensors
@@ -221,13 +221,16 @@ def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, list) else x
 
 
-def _set_rng_state(json_part: dict, tensors: dict) -> None:
+def _set_rng_state(json_part: dict, tensors: dict, device: torch.device) -> None:
     random.setstate(_tuplify(json_part["python"]))
     n = json_part["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), *n[2:]))
     torch.set_rng_state(tensors["torch"])
-    if "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(tensors["cuda"])
+    cuda = tensors.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # older checkpoints hold every visible GPU's state
+        cuda = cuda[device.index or 0] if device.type == "cuda" and (device.index or 0) < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
     if "mps" in tensors and torch.backends.mps.is_available():
         torch.mps.set_rng_state(tensors["mps"])
 
@@ -408,6 +411,9 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
     run.engine.train()
     while st.step < total and st.epoch < tc.epochs and not out_of_patience(tc, st):
         groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
+        if st.batch_in_epoch >= len(groups):  # resumed (--force) with fewer steps an epoch than it had done
+            st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+            continue
         while st.batch_in_epoch < len(groups) and st.step < total and not out_of_patience(tc, st):
             lr = lr_at(st.step, total, tc)
             for g in run.optimizer.param_groups:
@@ -596,7 +602,7 @@ def validate(run: Run, logger: Logger) -> dict:
 
 def save_checkpoint(run: Run) -> Path | None:
     """All ranks gather their RNG states; rank 0 writes checkpoints/step-N."""
-    json_rng, tensor_rng = _rng_state()
+    json_rng, tensor_rng = _rng_state(run.rt.device)
     json_rngs, tensor_rngs = [json_rng], [tensor_rng]
     if run.rt.distributed:
         json_rngs = [None] * run.rt.world_size
@@ -791,12 +797,13 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         _check_optimizer_state(optimizer)
         for group, own in zip(optimizer.param_groups, settings, strict=True):
             group.update(own)
-        scaler.load_state_dict(tensors["scaler"])
+        if tensors["scaler"]:  # empty where the saved run had no scaler (fp32, bf16) and --force turned fp16 on
+            scaler.load_state_dict(tensors["scaler"])
         if ema is not None:  # a run that had no average (ema_decay turned on by --force) starts one here
             for s, saved in zip(ema.shadow, tensors.get("ema", ema.params), strict=True):
                 s.copy_(saved)
         rng = tensors["rng"][rt.rank] if rt.rank < len(tensors["rng"]) else tensors["rng"][0]
-        _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng)
+        _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng, rt.device)
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
         raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
     return TrainState.from_json(train_json["state"])
