@@ -64,12 +64,31 @@ def test_native_bf16_means_bf16_instructions(monkeypatch, x86, avx512_bf16, amx,
     assert runtime.cpu_has_fast_bf16() is native
 
 
-def test_precision_auto_on_cuda_prefers_bf16(monkeypatch):
-    gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
-    assert resolve_precision("auto", gpu) is torch.bfloat16
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert resolve_precision("auto", gpu) is torch.float16
+@pytest.mark.parametrize(("capability", "dtype"), [
+    ((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),  # H100, A100: bf16 tensor cores
+    ((7, 5), torch.float16), ((7, 0), torch.float16),  # T4, V100: bf16 only emulated, fp16 with a scaler
+])
+def test_precision_auto_on_cuda_prefers_bf16_where_the_gpu_computes_it(monkeypatch, capability, dtype):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # as on a T4
+    gpu = torch.device("cuda", 1)
+    assert resolve_precision("auto", gpu) is dtype
+    assert asked == [gpu]  # the run's GPU, not the current one
+
+
+def test_torchrun_processes_each_take_their_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(UsageError, match="--device cuda:1 would put every process on one GPU"):
+        make_runtime("cuda:1", "fp32")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    for device in ("cuda", "auto"):
+        with pytest.raises(UsageError, match="LOCAL_RANK=3 has no GPU: this machine has 2"):
+            make_runtime(device, "fp32")
 
 
 def test_grad_scaler_only_for_fp16():

@@ -283,7 +283,8 @@ class MaskedLanguageModelling:
         count = 0
         # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
         # if there had been no validation
-        with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
+        with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
             torch.manual_seed(0)
             try:
                 for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):

@@ -104,7 +104,8 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     refuses one the device cannot run."""
     if precision == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            # bf16 tensor cores from compute capability 8 (Ampere) on; older GPUs (T4, V100) only emulate it
+            return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
         if device.type == "cpu" and cpu_has_fast_bf16():
             return torch.bfloat16  # faster steps, the same validation accuracy
         return None  # MPS, and CPUs that would only emulate bf16
@@ -120,7 +121,13 @@ def make_runtime(device: str = "auto", precision: str = "auto") -> Runtime:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world_size > 1 and device.startswith("cuda:"):
+        raise UsageError(f"--device {device} would put every process on one GPU; under torchrun pass --device cuda "
+                         "or auto (each process takes the GPU of its LOCAL_RANK)")
     dev = resolve_device(device, local_rank)
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"process LOCAL_RANK={local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
+                         "start at most that many processes a machine (torchrun --nproc-per-node)")
     if world_size > 1 and not torch.distributed.is_initialized():
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
