@@ -435,6 +435,26 @@ def test_load_single_csv_becomes_train(tmp_path, csv_rows):
         load_splits(cfg_for(path), ("test",))
 
 
+def test_a_tsv_is_read_unquoted_so_a_review_may_open_with_a_quote(tmp_path):
+    path = tmp_path / "reviews.tsv"
+    path.write_text('text\tlabel\n"The Matrix" is great\t1\nawful\t0\n"Best movie ever. 10/10\t1\nbad film\t0\n',
+                    encoding="utf-8")
+    splits, _ = load_splits(cfg_for(path), ("train",))
+    assert pairs(splits["train"]) == [('"The Matrix" is great', 1), ("awful", 0), ('"Best movie ever. 10/10', 1),
+                                      ("bad film", 0)]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv"])
+def test_cells_that_look_missing_stay_text(tmp_path, suffix):
+    sep = "," if suffix == ".csv" else "\t"
+    path = tmp_path / f"reviews{suffix}"
+    path.write_text(f"text{sep}label\nit is a movie{sep}None\nNA{sep}positive\nnull{sep}NA\n", encoding="utf-8")
+    splits, names = load_splits(cfg_for(path), ("train",))
+    assert names == ["NA", "None", "positive"]
+    assert [(t, names[y]) for t, y in pairs(splits["train"])] == [("it is a movie", "None"), ("NA", "positive"),
+                                                                   ("null", "NA")]
+
+
 def test_load_named_files(tmp_path, csv_rows):
     a = write_csv(tmp_path / "a.csv", csv_rows[:8])
     b = write_csv(tmp_path / "b.csv", csv_rows[8:])

@@ -7,6 +7,7 @@ Heavy libraries (`datasets`) are imported only where a dataset is actually loade
 
 from __future__ import annotations
 
+import csv
 import functools
 import hashlib
 import io
@@ -196,7 +197,11 @@ def open_dataset_files(files: dict[str, str]):
     if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
         raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(files.values())}")
     suffix = next(iter(suffixes))
-    kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
+    kwargs = {}
+    if suffix in (".csv", ".tsv"):  # cells such as "NA" or "None" stay text, not missing values
+        kwargs["keep_default_na"] = False
+    if suffix == ".tsv":  # no quoting, as TSV readers of text data (GLUE's) take it: a review may open with '"'
+        kwargs.update(delimiter="\t", quoting=csv.QUOTE_NONE)
     try:
         return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
