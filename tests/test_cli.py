@@ -143,6 +143,16 @@ def test_predict_reads_latin1_with_a_warning(cli_run, tmp_path):
     assert "Très bien" in r.stdout
 
 
+def test_predict_reads_a_text_argument_that_is_not_utf8_as_latin1(cli_run):
+    """The shell passes bytes; those that are not UTF-8 reach Python as lone surrogates, which the
+    tokenizer would refuse."""
+    argument = os.fsdecode("Un film superbe, great et wonderful. Très bien".encode("latin-1"))
+    r = tfm("predict", "-c", cli_run, argument)
+    assert r.exit_code == 0, r.stderr
+    assert "warning: text 1 is not UTF-8; read it as Latin-1" in r.stderr
+    assert "Très bien" in r.stdout
+
+
 @pytest.mark.parametrize(("bom", "encoding"), [
     (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"),
 ], ids=["utf-8-bom", "utf-16-le", "utf-16-be"])

@@ -257,6 +257,8 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
         if texts[-1] == "":
             texts.pop()  # the newline that ends the last line
         texts = [t.removesuffix("\r") for t in texts]
+    else:
+        texts = [_argument_text(t, i) for i, t in enumerate(texts, 1)]
     while file is not None and texts and not texts[-1].strip():
         texts.pop()  # blank lines at the end of a file are no reviews
     for i, t in enumerate(texts, 1):
@@ -272,6 +274,17 @@ def _read_inputs(texts: list[str], file: str | None) -> list[str]:
 # starts with UTF-16 LE's.
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF16_LE, "utf-16-le"),
          (codecs.BOM_UTF16_BE, "utf-16-be"))
+
+
+def _argument_text(text: str, i: int) -> str:
+    """A TEXT argument as the shell gave it. Bytes that are not UTF-8 reach Python as lone surrogates,
+    which the tokenizer refuses; they are read as Latin-1 with a warning, as --file's are."""
+    raw = os.fsencode(text)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        typer.echo(f"tfm: warning: text {i} is not UTF-8; read it as Latin-1", err=True)
+        return raw.decode("latin-1")
 
 
 def _decode(raw: bytes, file: str) -> str:
