@@ -47,9 +47,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from transformer_cli.config import CLASSIFIER_ONLY, ENCODER_FIELDS
 

@@ -1,8 +1,8 @@
 import dataclasses
 import json
+import tomllib
 
 import pytest
-import tomllib
 from conftest import CONFIGS
 
 from transformer_cli.config import (

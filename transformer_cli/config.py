@@ -12,13 +12,12 @@ import dataclasses
 import json
 import math
 import re
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
-
-import tomllib
 
 from transformer_cli.errors import TfmError, UsageError
 
