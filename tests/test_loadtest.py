@@ -1,6 +1,7 @@
 """scripts/loadtest_serve.py on the tiny model and synthetic reviews, with a few requests: its correctness
 checks and JSON (never its speed)."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -47,6 +48,45 @@ def test_percentiles_are_nearest_rank():
     load = {"wall": 1.0, "results": [(s, 200, True) for s in latencies]}
     got = script.summarise(load, [(b"", 1)] * 100)
     assert (got["p50_ms"], got["p99_ms"], got["max_ms"]) == pytest.approx((50.0, 99.0, 100.0))
+
+
+def test_failed_requests_count_as_failures_not_as_served_reviews():
+    script = _script()
+    load = {"wall": 2.0, "results": [(0.010, 200, True), (0.001, 503, False), (0.002, 0, False), (0.020, 200, True),
+                                     (0.003, 400, True)]}
+    got = script.summarise(load, [(b"", 2), (b"", 2), (b"", 2), (b"", 2), (b"", 0)])
+    assert (got["requests"], got["good_failed"], got["malformed"], got["malformed_without_4xx"]) == (4, 2, 1, 0)
+    assert (got["reviews"], got["reviews_per_sec"]) == (4, 2.0)  # the two answered right, 2 reviews each
+    assert (got["p50_ms"], got["max_ms"]) == pytest.approx((10.0, 20.0))  # the fast error replies left out
+
+
+def test_a_dropped_connection_is_a_failed_request_and_the_load_goes_on():
+    """A server that closes every other connection without an answer: those requests fail, the rest
+    are served on a fresh connection."""
+    script = _script()
+    seen = 0
+
+    async def handle(reader, writer):
+        nonlocal seen
+        while await reader.readline() not in (b"\r\n", b""):
+            pass
+        seen += 1
+        if seen % 2 == 0:
+            writer.close()
+            return
+        body = json.dumps({"predictions": [{"label": "pos"}]}).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await script.run_load("127.0.0.1", str(port), [(b"", 1)] * 6, 1)
+
+    load = asyncio.run(main())
+    assert [r[1:] for r in load["results"]] == [(200, True), (0, False)] * 3
 
 
 @pytest.mark.parametrize("args", [["--texts", "1", "--texts-per-request", "2"], ["--malformed", "-1"]])
