@@ -51,6 +51,7 @@ import tomllib
 from pathlib import Path
 
 from transformer_cli.config import CLASSIFIER_ONLY, ENCODER_FIELDS
+from transformer_cli.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "taught", "seed")
@@ -109,16 +110,19 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
 
 
 def trained(cmd: list[str], out: Path) -> None:
-    """Run a `tfm train` or `tfm pretrain` command into `out` unless it finished there; resume it if it
-    stopped; keep the command in the folder."""
+    """Run a `tfm train` or `tfm pretrain` command into `out` unless it finished there (then say so
+    where another command trained it: its figures are that command's); resume it if it stopped; keep
+    the command in the folder."""
+    command, command_txt = shlex.join(["tfm", *cmd[len(TFM):]]), out / COMMAND_FILE
     if (out / "metrics.json").exists():
+        if command_txt.exists() and command_txt.read_text().strip() != command:
+            print(f"reproduce_imdb: warning: {out} was trained by another command, kept: "
+                  f"`{command_txt.read_text().strip()}` (remove the folder to train it with this one)",
+                  file=sys.stderr)
         return
     resume = ["--resume"] if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")) else []
     run(cmd + resume)
-    command_txt = out / COMMAND_FILE
-    tmp = command_txt.with_suffix(".txt.tmp")
-    tmp.write_text(shlex.join(["tfm", *cmd[3:]]) + "\n")
-    tmp.replace(command_txt)
+    atomic_write_text(command_txt, command + "\n")
 
 
 def pretrained_encoder(data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
@@ -153,6 +157,7 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
         try:
             with open(tmp, "w") as f:
                 run([*TFM, "evaluate", "-c", str(out), "--data", data, "--split", "test", "--json"], stdout=f)
+                os.fsync(f.fileno())  # on disk before the rename, or a crash may leave an empty test.json
         except BaseException:
             tmp.unlink(missing_ok=True)  # no partial test JSON left behind
             raise

@@ -40,6 +40,10 @@ def test_reproduce_trains_evaluates_and_tabulates_each_seed(synthetic_data_dir, 
     again = run([*cmd, "train.log_every=7"])
     assert again.returncode == 0 and "$ " not in again.stdout
     assert [line for line in again.stdout.splitlines() if line.startswith("| default |")] == rows
+    warnings = [line for line in again.stderr.splitlines() if "was trained by another command, kept" in line]
+    assert len(warnings) == 2 and "train.max_steps=3" in warnings[0] and "train.log_every=7" not in warnings[0]
+    same = run(cmd)  # the same command: no warning
+    assert same.returncode == 0 and "another command" not in same.stderr
 
 
 def test_reproduce_names_a_failed_step_keeps_finished_runs_and_exits_with_its_code(synthetic_data_dir, tmp_path):
