@@ -14,6 +14,7 @@ from test_cli import NEGATIVE_TEXT, POSITIVE_TEXT, assert_fails_cleanly, json_li
 
 from transformer_cli.calibration import saved_temperature
 from transformer_cli.data import PAD_ID
+from transformer_cli.errors import TfmError
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.explain import IG_STEPS, display_pieces, faithfulness, integrated_gradients, review_ids
 from transformer_cli.model import CTransformer
@@ -147,6 +148,16 @@ def test_faithfulness_gives_no_ratio_when_hiding_random_tokens_does_not_lower_th
     json.dumps(out, allow_nan=False)
 
 
+def test_faithfulness_leaves_out_reviews_with_nothing_to_hide():
+    ids = torch.arange(21)
+    alone = faithfulness(Raising(), [(ids, 0, np.linspace(0, 1, 20))], fraction=0.1)
+    with_empty = faithfulness(Raising(), [(torch.tensor([2]), 0, np.zeros(0)), (ids, 0, np.linspace(0, 1, 20))],
+                              fraction=0.1)
+    assert with_empty == alone and with_empty["reviews"] == 1
+    with pytest.raises(TfmError, match="no review has a token to hide"):
+        faithfulness(Raising(), [(torch.tensor([2]), 0, np.zeros(0))])
+
+
 class Spans(HTMLParser):
     """The text of every <span class="t"> of a page, and every URL-like attribute."""
 
@@ -227,6 +238,9 @@ def test_explain_refuses_a_wide_and_deep_model(synthetic_data_dir, tmp_path):
                              "explain a model trained without it")
     assert not (tmp_path / "page.html").exists()
     assert json.loads(tfm("predict", "-c", out, "--json", "good").stdout)["label"] in ("neg", "pos")
+    model, cfg, tokenizer, _, _ = load_model_dir(out)  # called directly, as scripts/faithfulness.py does
+    with pytest.raises(TfmError, match="n-gram path"):
+        integrated_gradients(model, review_ids(tokenizer, ["good"], cfg.data)[0], 0)
 
 
 def test_a_review_cut_to_the_models_length_is_shown_cut_where_it_was(trained_dir, tmp_path):

@@ -78,6 +78,8 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_
     `temperature` (its calibration) before the softmax."""
     if steps < 1:
         raise TfmError(f"integrated gradients need at least 1 step, not {steps}")
+    if getattr(model, "ngrams", None) is not None:  # its scores would not follow the path: the integral misses them
+        raise TfmError(NGRAM_PATH)
     device = next(model.parameters()).device
     ids = ids.to(device)[None]  # (1, T)
     baseline = ids.clone()
@@ -136,8 +138,6 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
     from transformer_cli.evaluate import load_for_inference
 
     _, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
-    if cfg.model.ngram_buckets:
-        raise TfmError(NGRAM_PATH)
     ids = review_ids(tokenizer, texts, cfg.data)
     return [explain_ids(model, tokenizer, row, labels.index(p["label"]), steps or IG_STEPS, temperature, cut)
             for row, p, cut in zip(ids, predictions, cut_positions(tokenizer, texts, ids, cfg.data))]
@@ -164,19 +164,24 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
     separately, as many random ones (`random_draws` draws, averaged); report the mean drops of the
     label's probability and their ratio. `reviews`: ((T,) ids, target, (T-1,) attributions without
     [CLS]). A ratio well above 1 says the attributions point at what the model reads; it is None
-    where hiding random tokens did not lower the probability, since then no ratio measures anything."""
+    where hiding random tokens did not lower the probability, since then no ratio measures anything.
+    Reviews of no token beyond [CLS] have nothing to hide and are left out of the means."""
     rng = np.random.default_rng(seed)
     top_drops, random_drops = [], []
     for ids, target, attr in reviews:
         n = len(ids) - 1
+        if n == 0:
+            continue
         k = max(1, round(fraction * n))
         top = 1 + np.argsort(-np.asarray(attr), kind="stable")[:k]  # positions after [CLS]
         draws = [1 + rng.choice(n, size=k, replace=False) for _ in range(random_draws)]
         p = hidden_probability(model, ids, target, [np.zeros(0, dtype=np.int64), top, *draws])
         top_drops.append(p[0] - p[1])
         random_drops.append(p[0] - p[2:].mean())
+    if not top_drops:
+        raise TfmError("no review has a token to hide; pass reviews with at least one word")
     top, rand = float(np.mean(top_drops)), float(np.mean(random_drops))
-    return {"reviews": len(reviews), "fraction": fraction, "top_drop": top, "random_drop": rand,
+    return {"reviews": len(top_drops), "fraction": fraction, "top_drop": top, "random_drop": rand,
             "ratio": top / rand if rand > 0 else None}
 
 
