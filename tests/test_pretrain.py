@@ -469,6 +469,17 @@ def test_a_fine_tuned_run_trains_and_resumes(pretrained, synthetic_data_dir, tmp
     assert metrics["val"]["accuracy"] >= 0.85
 
 
+def test_a_fine_tuned_run_that_lost_its_tokenizer_resumes_with_the_encoders(pretrained, synthetic_data_dir, tmp_path):
+    """Not with one trained anew on the fine-tuning data, whose ids would index other embedding rows."""
+    out, _ = pretrained
+    ft = tmp_path / "ft"
+    train(pretrain_config(synthetic_data_dir, ft, train__init_from=str(out), train__max_steps=2), progress=False)
+    (ft / ckpt.TOKENIZER_FILE).unlink()
+    train(pretrain_config(synthetic_data_dir, ft, train__init_from=str(out), train__max_steps=4), resume=True,
+          force=True, progress=False)
+    assert (ft / ckpt.TOKENIZER_FILE).read_text() == (out / ckpt.TOKENIZER_FILE).read_text()
+
+
 def test_fine_tuning_starts_from_an_electra_discriminator(synthetic_data_dir, tmp_path):
     out = tmp_path / "electra"
     metrics = pretrain(pretrain_config(synthetic_data_dir, out, train__epochs=3, pretrain__objective="electra"),
@@ -493,8 +504,8 @@ def test_fine_tuning_starts_from_an_electra_discriminator(synthetic_data_dir, tm
     assert metrics["steps"] > 0 and math.isfinite(metrics["val"]["loss"])
 
 
-@pytest.mark.parametrize("damage", ["missing", "a file", "no config", "truncated weights", "format version",
-                                    "another model"])
+@pytest.mark.parametrize("damage", ["missing", "a file", "no config", "no tokenizer", "truncated weights",
+                                    "format version", "another model"])
 def test_a_bad_init_from_directory_is_one_clear_error(pretrained, synthetic_data_dir, tmp_path, damage):
     import shutil
 
@@ -509,6 +520,9 @@ def test_a_bad_init_from_directory_is_one_clear_error(pretrained, synthetic_data
         bad.write_text("x")
     elif damage == "no config":
         (bad / ckpt.CONFIG_FILE).unlink()
+        expected = TfmError
+    elif damage == "no tokenizer":  # its ids would be another tokenizer's, trained on the fine-tuning data
+        (bad / ckpt.TOKENIZER_FILE).unlink()
         expected = TfmError
     elif damage == "truncated weights":
         data = (bad / ckpt.MODEL_FILE).read_bytes()

@@ -497,6 +497,9 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         version = saved.get("format_version") if isinstance(saved, dict) else None
         raise TfmError(f"'{path}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    if not (folder / "tokenizer.json").is_file():  # another tokenizer's ids would index the wrong embedding rows
+        raise TfmError(f"--init-from '{init}' has no tokenizer.json, which its encoder's token ids belong to; "
+                       "pass the whole output directory of `tfm pretrain`")
     out = {section: dict(values) for section, values in d.items()}
     out["train"]["init_from"] = str(folder.resolve())
     for section, keys in ENCODER_FIELDS.items():

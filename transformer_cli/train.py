@@ -857,7 +857,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     if resume_dir is not None:
         tokenizer = load_tokenizer(resume_dir.parent.parent)
         trained_labels = load_labels(resume_dir.parent.parent)
-    elif tc.init_from:
+    if tokenizer is None and tc.init_from:  # also a resumed run whose folder lost its copy
         tokenizer = load_tokenizer(Path(tc.init_from))
     needed = ("test",) if tc.test_at_end else ()  # refused now rather than after training
     data = on_every_rank(rt, lambda: prepare_train_data(cfg.data, tc.seed, tokenizer, needed))
