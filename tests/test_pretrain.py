@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -253,6 +254,26 @@ def test_the_token_file_is_written_chunk_by_chunk(synthetic_data_dir, tmp_path):
     assert len(enc) == 15 and held == []
     assert load_token_file(tmp_path / "tokens", 15) is not None
     assert load_token_file(tmp_path / "tokens", 14) is None  # a file of other texts is not taken
+
+
+def test_a_token_file_another_process_wrote_meanwhile_is_kept(synthetic_data_dir, tmp_path):
+    """Two runs encoding the same corpus at once (a sweep, or torchrun ranks on several machines): the
+    second to finish keeps the first one's folder instead of failing on the rename."""
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run")
+    corpus = prepare_corpus(cfg)
+    texts = [[f"text number {i} " * (i + 1)] * 3 for i in range(5)]
+    theirs = write_token_file(tmp_path / "theirs", corpus.tokenizer, iter(texts), cfg)
+    target = tmp_path / "cache" / "tokens"
+
+    def chunks():  # the other process renames its folder into place while this one encodes
+        yield from texts
+        shutil.copytree(tmp_path / "theirs", target)
+        (target / "read-by-the-other-process").touch()
+
+    ours = write_token_file(target, corpus.tokenizer, chunks(), cfg)
+    assert np.array_equal(np.asarray(ours.ids), np.asarray(theirs.ids)) and len(ours) == 15
+    assert (target / "read-by-the-other-process").exists()  # not deleted under the process reading it
+    assert [p.name for p in target.parent.iterdir()] == ["tokens"]  # no temporary folder left
 
 
 def test_pretraining_reads_plain_text_files_and_refuses_the_test_split(tmp_path):

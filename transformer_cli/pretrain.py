@@ -14,6 +14,7 @@ config.json, tokenizer.json, metrics.json, TensorBoard events, checkpoints/. `tf
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -146,8 +147,10 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
 
 def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: Config) -> Encoded:
     """Encode the texts chunk by chunk into FOLDER/ids.bin (int32, appended) and offsets.npy; the
-    folder appears whole or not at all (written under a temporary name, then renamed)."""
+    folder appears whole or not at all (written under a temporary name, then renamed). Where another
+    process wrote it meanwhile (the same key: the same texts), that one is kept."""
     d = cfg.data
+    shutil.rmtree(folder, ignore_errors=True)  # one load_token_file did not take (none, or broken)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -163,8 +166,12 @@ def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: 
             f.flush()
             os.fsync(f.fileno())
         np.save(tmp / "offsets.npy", np.concatenate(ends))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        try:
+            os.rename(tmp, folder)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process's copy of the same texts is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
