@@ -449,6 +449,26 @@ def test_a_forced_resume_with_larger_batches_goes_on_from_the_next_epoch(synthet
     assert (state["epoch"], state["batch_in_epoch"]) == (1, 4)  # epoch 1 from its start, in batches of 32
 
 
+def test_a_forced_resume_that_changes_the_model_picks_its_best_anew(synthetic_data_dir, tmp_path):
+    """config.json is the new model's: the best weights validated before the change, which it would not
+    describe (another pooling, the same shapes), are not kept beside it; a change of training alone
+    keeps them."""
+    out = tmp_path / "run"
+    first = train(tiny_config(synthetic_data_dir, out, train__max_steps=8), progress=False)
+    assert first["best_step"] == 8
+    rt = runtime.make_runtime("cpu", "fp32")
+    kept = train_mod.setup(tiny_config(synthetic_data_dir, out, train__max_steps=10, train__lr=1e-4), rt,
+                           resume=True, force=True)
+    assert kept.state.best_step == 8 and (out / ckpt.MODEL_FILE).exists()
+    changed = train_mod.setup(tiny_config(synthetic_data_dir, out, train__max_steps=10, model__pooling="first"), rt,
+                              resume=True, force=True)
+    assert changed.state.best_step == -1 and changed.state.best_val == {}
+    assert not (out / ckpt.MODEL_FILE).exists()  # until the next validation saves the new model's
+    resumed = train(tiny_config(synthetic_data_dir, out, train__max_steps=10, model__pooling="first"), resume=True,
+                    force=True, progress=False)
+    assert resumed["best_step"] == 10 and load_model_dir(out)[1].model.pooling == "first"
+
+
 def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(synthetic_data_dir, out, train__max_steps=3, train__ema_decay=0.0), progress=False)  # no average

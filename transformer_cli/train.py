@@ -709,7 +709,8 @@ def check_batch_size(tc: TrainConfig, rt: Runtime) -> None:
         )
 
 
-def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> None:
+def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world: int, force: bool) -> list[str]:
+    """The settings (SECTION.KEY) that differ from the checkpoint's; refused unless `force`."""
     now, saved = cfg.to_dict(), with_legacy_values(saved)
     path_off = saved["model"].get("ngram_buckets") == now["model"]["ngram_buckets"] == 0
 
@@ -717,12 +718,10 @@ def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world:
         return f"{section}.{key}" not in RESUME_FREE and not (
             path_off and section == "model" and key.startswith("ngram_") and key != "ngram_buckets")
 
-    diffs = [
-        f"{section}.{key}: {saved.get(section, {}).get(key)!r} -> {value!r}"
-        for section in now
-        for key, value in now[section].items()
-        if saved.get(section, {}).get(key, value) != value and matters(section, key)
-    ]
+    changed = {f"{section}.{key}": (saved.get(section, {}).get(key), value)
+               for section in now for key, value in now[section].items()
+               if saved.get(section, {}).get(key, value) != value and matters(section, key)}
+    diffs = [f"{k}: {before!r} -> {after!r}" for k, (before, after) in changed.items()]
     if saved_world != world_size:
         diffs.append(f"world size: {saved_world} -> {world_size}")
     if diffs and not force:
@@ -730,6 +729,7 @@ def _check_resume_config(saved: dict, cfg: Config, world_size: int, saved_world:
             "the resumed run's settings differ from the checkpoint's (" + "; ".join(diffs[:4])
             + "); run the same command plus --resume, or add --force to accept the change"
         )
+    return list(changed)
 
 
 def on_every_rank(rt: Runtime, prepare):
@@ -787,7 +787,7 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
 def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
              force: bool) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
-    _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
+    changed = _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
         # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
@@ -806,7 +806,11 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         _set_rng_state(train_json["rng"][min(rt.rank, len(train_json["rng"]) - 1)], rng, rt.device)
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
         raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
-    return TrainState.from_json(train_json["state"])
+    state = TrainState.from_json(train_json["state"])
+    if any(k.startswith("model.") or k == "train.init_from" for k in changed):
+        # The best model so far is another model than config.json will describe: the next validation picks anew.
+        state.best_score, state.best_step, state.best_val, state.evals_since_best = -math.inf, -1, {}, 0
+    return state
 
 
 def _check_optimizer_state(optimizer) -> None:
