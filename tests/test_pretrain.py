@@ -355,6 +355,32 @@ def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synt
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("args", "recipe_dir", "expected"), [
+    ([], None, "runs/pretrain"),  # not `tfm train`'s default folder
+    (["train.output_dir=runs/tfm"], None, "runs/tfm"),  # named, even as tfm train's default
+    ([], "runs/tfm", "runs/tfm"),
+    (["-o", "runs/mine"], "runs/tfm", "runs/mine"),
+])
+def test_pretrain_writes_where_it_is_told_else_to_runs_pretrain(tmp_path, monkeypatch, args, recipe_dir, expected):
+    from typer.testing import CliRunner
+
+    import transformer_cli.pretrain as pretrain_mod
+    from transformer_cli.cli import app
+
+    recipe = tmp_path / "recipe.toml"
+    named = "" if recipe_dir is None else f'output_dir = "{recipe_dir}"'
+    recipe.write_text((CONFIGS / "tiny.toml").read_text().replace('output_dir = "runs/tiny"', named))
+    told = []
+
+    def fake_pretrain(cfg, **_):
+        told.append(cfg.train.output_dir)
+        raise TfmError("stopped before training")
+
+    monkeypatch.setattr(pretrain_mod, "pretrain", fake_pretrain)
+    result = CliRunner().invoke(app, ["pretrain", "--config", str(recipe), *args])
+    assert result.exit_code == 1 and told == [expected], result.stderr
+
+
 @pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml"])
 def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
     check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too

@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import TrainConfig, load_config, parse_overrides
+from transformer_cli.config import load_config, parse_overrides, read_toml
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
@@ -221,7 +221,9 @@ def pretrain(
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
     cfg = _training_config(config, overrides, options)
-    if output_dir is None and cfg.train.output_dir == TrainConfig.output_dir:  # not `tfm train`'s folder
+    named = output_dir is not None or "train.output_dir" in parse_overrides(overrides or []) or (
+        config is not None and "output_dir" in read_toml(config).get("train", {}))
+    if not named:  # the default folder is not `tfm train`'s
         cfg = cfg.replace(train={"output_dir": PRETRAIN_OUTPUT_DIR})
     from transformer_cli.pretrain import pretrain as run_pretrain  # imports torch
 
