@@ -740,6 +740,20 @@ def test_changed_max_length_reuses_the_tokenizer_but_reencodes(data_cfg, monkeyp
     assert shorter.train.lengths.max() == 8 < first.train.lengths.max()
 
 
+@pytest.mark.parametrize("change", [{"truncation": "head"}, {"head_fraction": 0.75}, {"lowercase": False},
+                                    {"vocab_size": 100}, {"tokenizer": "bpe"}], ids=lambda c: next(iter(c)))
+def test_a_changed_setting_is_not_served_from_the_cache(data_cfg, tmp_path, change):
+    """Prepared beside the cache of the same data under other settings, the result is what a fresh
+    cache gives: every setting that changes the tokenizer or the encoding is part of its cache key."""
+    short = dataclasses.replace(data_cfg, max_length=16)  # reviews are cut, so the cut's settings matter
+    first = prepare_train_data(short, seed=0)
+    changed = prepare_train_data(dataclasses.replace(short, **change), seed=0)
+    fresh = prepare_train_data(dataclasses.replace(short, cache_dir=str(tmp_path / "fresh"), **change), seed=0)
+    assert_same_prepared(changed, fresh)
+    assert not (np.array_equal(changed.train.ids, first.train.ids)
+                and changed.tokenizer.to_str() == first.tokenizer.to_str())  # the setting did change the result
+
+
 def test_max_train_samples_subsamples(data_cfg):
     prepared = prepare_train_data(dataclasses.replace(data_cfg, max_train_samples=50), seed=0)
     assert len(prepared.train) == 50 and len(prepared.val) == 40
