@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -175,6 +176,67 @@ def test_sigterm_lets_requests_in_flight_finish_and_exits_0(trained_dir):
         s.stop()
     with pytest.raises(httpx.ConnectError):  # and it has stopped listening
         httpx.get(f"{s.url}/health")
+
+
+def raw_request(url: str, body: bytes, declared: int | None = None) -> socket.socket:
+    """A connection that has sent a POST /predict with `body`, announced as `declared` bytes."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(f"POST /predict HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body) if declared is None else declared}\r\n\r\n".encode() + body)
+    return conn
+
+
+def test_sigterm_closes_a_stalled_upload_after_the_drain_timeout_and_exits_0(trained_dir):
+    s = Server(trained_dir, "--drain-timeout", "1")
+    stalled = raw_request(s.url, b'{"texts": ["good', declared=100)  # and then nothing more
+    try:
+        time.sleep(0.5)  # read by the server, which waits for the rest of the body
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(timeout=60) == 0  # without the timeout it waited for the client for ever
+    finally:
+        stalled.close()
+        s.stop()
+
+
+def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(trained_dir):
+    # The first request waits up to 2 s for others to join its model call: its client leaves meanwhile.
+    s = Server(trained_dir, "--max-wait-ms", "2000")
+    try:
+        gone = raw_request(s.url, json.dumps({"texts": ["a film to forget"]}).encode())
+        while httpx.get(f"{s.url}/health").json()["in_flight"] < 1:
+            time.sleep(0.05)
+        gone.close()
+        while httpx.get(f"{s.url}/health").json()["in_flight"] > 0:  # dropped from the queue
+            time.sleep(0.05)
+        raw_request(s.url, b'{"texts": ["half', declared=50).close()  # gone during its upload
+        time.sleep(2.5)  # past the first request's wait: its model call would have run by now
+        assert post(s.url, {"texts": ["a fine film"]}).status_code == 200
+        assert httpx.get(f"{s.url}/health").json()["batches"] == 1  # the answered request's alone
+    finally:
+        assert s.stop() == 0
+    log = "".join(s.lines.queue)
+    assert "Traceback" not in log and "Exception" not in log, log[-2000:]
+
+
+def test_a_cancelled_request_is_left_out_of_the_model_call():
+    from transformer_cli.serve import Batcher, Limits
+
+    seen = []
+
+    async def scenario():
+        batcher = Batcher(lambda texts: seen.append(list(texts)) or [{"label": t} for t in texts], Limits())
+        gone = asyncio.ensure_future(batcher(["gone"]))
+        await asyncio.sleep(0)  # queued
+        gone.cancel()
+        runner = asyncio.ensure_future(batcher.run())
+        try:
+            return await batcher(["kept"])
+        finally:
+            runner.cancel()
+            batcher.worker.shutdown(wait=True)
+
+    assert asyncio.run(scenario()) == [{"label": "kept"}] and seen == [["kept"]]
 
 
 def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):

@@ -450,6 +450,8 @@ def serve(
     max_texts: Annotated[int, typer.Option(min=1, help="Texts in one request.")] = 64,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Size of one request's body.")] = 1_000_000,
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
+    drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for requests in flight (a stalled "
+                                                 "upload, say) before it closes their connections.")] = 30.0,
     device: Device = "auto",
     precision: InferPrecision = None,
 ) -> None:
@@ -457,7 +459,7 @@ def serve(
     from transformer_cli.serve import Limits
     from transformer_cli.serve import serve as run_server  # imports torch
 
-    limits = Limits(max_batch_size, max_wait_ms, max_texts, max_body_bytes, batch_size)
+    limits = Limits(max_batch_size, max_wait_ms, max_texts, max_body_bytes, batch_size, drain_timeout)
     run_server(checkpoint, host, port, limits, device, precision,
                on_ready=lambda url: typer.echo(f"tfm: serving {checkpoint} on {url}; stop with Ctrl-C or SIGTERM",
                                                err=True))

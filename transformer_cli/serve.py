@@ -41,6 +41,7 @@ class Limits:
     max_texts: int = 64  # texts in one request
     max_body_bytes: int = 1_000_000  # size of one request's body
     batch_size: int = 64  # texts per forward pass within a model call (as `tfm predict --batch-size`)
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for requests in flight (a stalled upload) before closing
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -64,7 +65,8 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     sock = bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
     app = make_app(loaded, metadata, limits, lambda: on_ready(url))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=limits.drain_timeout)
     asyncio.run(server_class()(config).serve(sockets=[sock]))
 
 
@@ -188,6 +190,9 @@ class Batcher:
             return None
 
     async def _run_batch(self, batch: list[tuple]) -> None:
+        batch = [(request, future) for request, future in batch if not future.done()]  # done: its client went away
+        if not batch:
+            return
         texts = [t for request, _ in batch for t in request]
         self.batches += 1
         loop = asyncio.get_running_loop()
@@ -200,7 +205,7 @@ class Batcher:
             return
         start = 0
         for request, future in batch:
-            if not future.done():  # done: the client went away
+            if not future.done():  # done: the client went away while the model ran
                 future.set_result(results[start : start + len(request)])
             start += len(request)
 
@@ -258,8 +263,17 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
         except ValidationError as e:
             raise validation_error(e) from None
         check_texts(texts, limits.max_texts)
+        answer = asyncio.ensure_future(batcher(texts))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
-            predictions = await batcher(texts)
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():  # the client went away: its texts leave the queue before the model reads them
+            answer.cancel()
+            raise ApiError(400, "the client closed the connection before its answer")  # sent to no one
+        try:
+            predictions = answer.result()
         except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
             raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
         # encoded here: a returned dict would be walked by FastAPI's jsonable_encoder first
@@ -279,16 +293,27 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
 
 async def read_body(request, limit: int) -> bytes:
     """The request's body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {int(declared)} bytes is over the limit of {limit} (--max-body-bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone during its upload: nothing to answer, and nothing to log
+        raise ApiError(400, "the client closed the connection during its request body") from None
     return b"".join(chunks)
+
+
+async def disconnected(request) -> None:
+    """Returns once the client has closed the connection (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def validation_error(e) -> ApiError:
