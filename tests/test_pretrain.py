@@ -143,7 +143,7 @@ def test_windows_tile_each_text_in_near_equal_parts_that_know_their_positions():
 def test_a_windowed_batch_holds_each_windows_tokens_at_their_positions_in_its_text():
     texts = texts_of([40, 9, 33], seed=1)
     corpus = Corpus(None, texts, np.array([0, 1]), np.array([2]))
-    task = MaskedLanguageModelling(corpus, PretrainConfig(window=16, mask_prob=0.5), VOCAB, 64)
+    task = MaskedLanguageModelling(corpus, PretrainConfig(window=16, mask_prob=0.5), VOCAB)
     assert task.num_train == 3 + 1 and task.num_val == 3  # 40 tokens: 3 windows; 9: one; the held-out 33: 3
     torch.manual_seed(0)
     batch = task.batch(make_runtime("cpu", "fp32"), np.arange(task.num_train))
@@ -544,6 +544,14 @@ def test_pretraining_validation_leaves_trainings_random_draws_as_they_were(synth
         pretrain(pretrain_config(synthetic_data_dir, tmp_path / name, train__max_steps=8, train__eval_every=every,
                                  pretrain__objective="electra", model__dropout=0.1), progress=False)
     assert_same_weights(final_weights(tmp_path / "often"), final_weights(tmp_path / "at-the-end"))
+
+
+def test_the_held_out_figures_do_not_depend_on_the_evaluation_batch_size(synthetic_data_dir, tmp_path):
+    """The masks are drawn batch by batch; train.eval_batch_size, which a resume may change freely, must
+    not choose them."""
+    figures = [pretrain(pretrain_config(synthetic_data_dir, tmp_path / f"b{size}", train__max_steps=4,
+                                        train__eval_batch_size=size), progress=False)["val"] for size in (4, 64)]
+    assert figures[0] == figures[1]
 
 
 def test_a_fine_tuned_run_that_lost_its_tokenizer_resumes_with_the_encoders(pretrained, synthetic_data_dir, tmp_path):

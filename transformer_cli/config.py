@@ -223,7 +223,7 @@ class TrainConfig(_Section):
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     select_metric: SelectMetric | None = None  # picks the saved model; unset: accuracy (train), loss (pretrain)
     patience: int = 0  # stop after this many validation passes without a better select_metric; 0: never early
-    eval_batch_size: int = 256
+    eval_batch_size: int = 256  # reviews per validation and test batch (pretraining validates in fixed batches)
     test_at_end: bool = False  # evaluate the best model on the test split after training
     calibrate: bool = True  # fit a temperature for the probabilities on validation after training (calibration.py)
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only

@@ -58,6 +58,10 @@ from transformer_cli.train import (
 )
 
 MASK_ID = SPECIAL_TOKENS.index("[MASK]")
+# Held-out windows per validation batch (at most 16,384 tokens). Fixed: the masks and ELECTRA's samples
+# are drawn batch by batch, so another batching (train.eval_batch_size, free to change on resume)
+# would validate on other masks.
+VAL_BATCH = 256
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
 CORPUS_VERSION = 1  # in the token file's cache key
 PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be here (None: the loss)
@@ -246,8 +250,7 @@ class MaskedLanguageModelling:
 
     prefix = "pretrain"
 
-    def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, eval_batch_size: int,
-                 select_metric: str = "loss"):
+    def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, select_metric: str = "loss"):
         windows, self.starts, text = cut_windows(corpus.texts, pc.window)
         held_out = np.zeros(len(corpus.texts), dtype=bool)
         held_out[corpus.val_idx] = True
@@ -256,7 +259,7 @@ class MaskedLanguageModelling:
         self.val, self.val_starts = windows.subset(val_idx), self.starts[val_idx]
         self.windowed = pc.window > 0
         self.select_metric = select_metric
-        self.mask_prob, self.vocab_size, self.eval_batch_size = pc.mask_prob, vocab_size, eval_batch_size
+        self.mask_prob, self.vocab_size = pc.mask_prob, vocab_size
         self.lengths = windows.lengths[self.train_idx]
         self.num_train, self.num_val = len(self.train_idx), len(val_idx)
 
@@ -294,7 +297,7 @@ class MaskedLanguageModelling:
         with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
             torch.manual_seed(0)
             try:
-                for idx in batch_plan(self.val.lengths, self.eval_batch_size, 16384):
+                for idx in batch_plan(self.val.lengths, VAL_BATCH, 16384):
                     tensors, _ = self._masked(self.val, idx, self.val_starts, generator)
                     with rt.autocast():
                         loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
@@ -334,7 +337,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = pretraining_model(cfg, vocab_size)
-    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.eval_batch_size, tc.select_metric or "loss")
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)

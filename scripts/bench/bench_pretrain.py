@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     n_batches = args.warmup + args.steps
     corpus = prepare_corpus(cfg) if args.mode == "imdb" else synthetic_corpus(cfg, cfg.train.batch_size * n_batches + 1)
     vocab = corpus.tokenizer.get_vocab_size() if corpus.tokenizer is not None else cfg.data.vocab_size
-    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab, cfg.train.eval_batch_size)
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab)
     sampler = BucketSampler(task.lengths, cfg.train.batch_size, cfg.train.seed)
     seed_everything(cfg.train.seed)
     batches = [task.batch(rt, idx) for idx in sampler.batches(0)[:n_batches]]
