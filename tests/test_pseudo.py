@@ -164,13 +164,18 @@ def pseudo_cfg(data_dir, path, **kw) -> DataConfig:
 
 def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir, tmp_path):
     """The kept rows (score >= pseudo_min_score) follow the labelled train part with their labels as ids;
-    one that repeats a validation review is dropped, and validation is unchanged."""
+    one that repeats a validation, test or training review is dropped, as is a second copy, and
+    validation is unchanged."""
     base = DataConfig(source=str(synthetic_data_dir), vocab_size=200, max_length=64)
-    _, val_raw, _, _ = train_val_splits(base, seed=0)
+    train_raw, val_raw, _, _ = train_val_splits(base, seed=0)
+    test_text = json.loads((synthetic_data_dir / "test.jsonl").read_text().splitlines()[0])["text"]
     rows = [{"text": "a fresh unlabelled review, loved it", "label": "pos", "score": 0.97},
             {"text": "another one, boring and awful", "label": "neg", "score": 0.91},
             {"text": "an unsure one", "label": "pos", "score": 0.55},
-            {"text": val_raw.texts[0], "label": "pos", "score": 0.99}]
+            {"text": val_raw.texts[0], "label": "pos", "score": 0.99},
+            {"text": test_text, "label": "pos", "score": 0.99},
+            {"text": train_raw.texts[0], "label": "pos", "score": 0.99},
+            {"text": "a fresh unlabelled review, loved it", "label": "pos", "score": 0.97}]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     plain = prepare_train_data(base, seed=0)
     mixed = prepare_train_data(pseudo_cfg(synthetic_data_dir, path, pseudo_min_score=0.9), seed=0,
@@ -181,7 +186,7 @@ def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir,
     np.testing.assert_array_equal(mixed.train.labels[: len(plain.train)], plain.train.labels)
     np.testing.assert_array_equal(mixed.val.ids, plain.val.ids)
     everything = prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
-    assert len(everything.train) == len(plain.train) + 3  # every score, less the validation review
+    assert len(everything.train) == len(plain.train) + 3  # every score, less the known reviews and the copy
 
 
 @pytest.mark.parametrize(("rows", "message"), [

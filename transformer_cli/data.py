@@ -843,9 +843,9 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     return train, val, label_names, val_split
 
 
-def read_pseudo_labels(cfg: DataConfig, label_names: list[str], held_out: RawSplit) -> RawSplit:
+def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str]) -> RawSplit:
     """The reviews of `tfm pseudo-label`'s file `cfg.pseudo_labels` labelled with a score of at least
-    `cfg.pseudo_min_score`, less any that are in `held_out` (validation stays unseen)."""
+    `cfg.pseudo_min_score`, each once, less any whose text is in `known` (see prepare_train_data)."""
     path = cfg.pseudo_labels
     if not Path(path).is_file():
         raise UsageError(f"data.pseudo_labels = '{path}' is not a file; write one with `tfm pseudo-label`")
@@ -859,8 +859,11 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], held_out: RawSpl
     scores = np.asarray(d["score"], dtype=np.float64)
     if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
         raise TfmError(f"'{path}' has scores outside [0, 1]; write it with `tfm pseudo-label`")
-    seen = set(held_out.texts)
-    keep = [i for i, (t, s) in enumerate(zip(rows.texts, scores)) if s >= cfg.pseudo_min_score and t not in seen]
+    seen, keep = set(known), []
+    for i, (text, score) in enumerate(zip(rows.texts, scores)):
+        if score >= cfg.pseudo_min_score and text not in seen:
+            seen.add(text)
+            keep.append(i)
     if not keep:
         best = f"the highest score is {scores.max():.4f}" if len(scores) else "it has no reviews"
         raise TfmError(f"data.pseudo_min_score = {cfg.pseudo_min_score} keeps none of the reviews of '{path}' "
@@ -876,7 +879,11 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
                          "data.pseudo_labels=FILE, a file written by `tfm pseudo-label`")
     train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
     if cfg.pseudo_labels is not None:
-        extra = read_pseudo_labels(cfg, label_names, val_raw)
+        # Never trained on: validation and test reviews (IMDB's unlabelled reviews repeat some of its test
+        # reviews), nor a second copy of a training review, whose own label stands.
+        test = load_splits(cfg, (), ("test",), label_names=label_names)[0].get("test")
+        known = {*val_raw.texts, *train_raw.texts, *(test.texts if test is not None else ())}
+        extra = read_pseudo_labels(cfg, label_names, known)
         train_raw = RawSplit(train_raw.texts + extra.texts, np.concatenate([train_raw.labels, extra.labels]))
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw.texts, len(train_raw), cfg, train_fp)
