@@ -361,6 +361,23 @@ def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synt
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("metric", ["loss", "accuracy"])
+def test_the_cli_reports_the_held_out_figure_that_chose_the_model(synthetic_data_dir, tmp_path, metric):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["pretrain", "--config", str(CONFIGS / "tiny.toml"), "--data",
+                                      str(synthetic_data_dir), "-o", str(out), "--max-steps", "4", "--no-progress",
+                                      f'train.select_metric="{metric}"'])
+    assert result.exit_code == 0, result.stderr
+    val = json.loads((out / "metrics.json").read_text())["val"]
+    other = "accuracy" if metric == "loss" else "loss"
+    assert result.stdout.startswith(f"done: best held-out masked-LM {metric} {val[metric]:.4f} ({other} "
+                                    f"{val[other]:.4f}) at step ")
+
+
 @pytest.mark.parametrize(("args", "recipe_dir", "expected"), [
     ([], None, "runs/pretrain"),  # not `tfm train`'s default folder
     (["train.output_dir=runs/tfm"], None, "runs/tfm"),  # named, even as tfm train's default

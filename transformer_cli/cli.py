@@ -230,9 +230,10 @@ def pretrain(
     metrics = run_pretrain(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":
         return
-    val = metrics["val"]
+    val, metric = metrics["val"], metrics["select_metric"]
     objective = {"mlm": "masked-LM", "electra": "ELECTRA"}[cfg.pretrain.objective]
-    typer.echo(f"done: best held-out {objective} loss {val['loss']:.4f} (accuracy {val['accuracy']:.4f}) at step "
+    other = "accuracy" if metric == "loss" else "loss"
+    typer.echo(f"done: best held-out {objective} {metric} {val[metric]:.4f} ({other} {val[other]:.4f}) at step "
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 

@@ -516,6 +516,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 _say(f"stopped early at step {st.step}: {st.evals_since_best} validation passes without a better "
                      f"val {metric} (train.patience = {tc.patience}); best at step {st.best_step}",
                      progress and rt.is_main)
+    # metrics.json's time includes the last checkpoint too (each checkpoint holds the time before it)
+    st.train_time_sec = time.perf_counter() - t_start
 
 
 class _StopFlag:
