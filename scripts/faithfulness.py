@@ -31,12 +31,14 @@ def main() -> None:
     if args.n < 1 or not 0 < args.fraction <= 1:
         ap.error("-n must be at least 1 and --fraction in (0, 1]")
 
+    from transformer_cli.calibration import saved_temperature
     from transformer_cli.data import load_splits
     from transformer_cli.evaluate import load_model_dir
     from transformer_cli.explain import faithfulness, integrated_gradients, review_ids
 
     t0 = time.perf_counter()
     model, cfg, tokenizer, _, _ = load_model_dir(args.checkpoint)
+    temperature = saved_temperature(args.checkpoint)  # the probabilities `tfm predict --explain` shows
     if args.data:
         cfg = cfg.replace(data={"source": args.data})
     test = load_splits(cfg.data, ("test",))[0]["test"]
@@ -45,10 +47,10 @@ def main() -> None:
     for ids in review_ids(tokenizer, [test.texts[i] for i in pick], cfg.data):
         with torch.no_grad():
             target = int(model(ids[None], torch.ones(1, len(ids), dtype=torch.bool)).argmax())
-        attr, _ = integrated_gradients(model, ids, target)
+        attr, _ = integrated_gradients(model, ids, target, temperature=temperature)
         reviews.append((ids, target, attr[1:]))
-    out = faithfulness(model, reviews, args.fraction, seed=args.seed)
-    out.update({"checkpoint": str(args.checkpoint), "torch_threads": torch.get_num_threads(),
+    out = faithfulness(model, reviews, args.fraction, seed=args.seed, temperature=temperature)
+    out.update({"checkpoint": str(args.checkpoint), "temperature": temperature, "torch_threads": torch.get_num_threads(),
                 "mean_tokens": float(np.mean([len(r[0]) for r in reviews])), "seconds": time.perf_counter() - t0})
     print(f"{out['reviews']} test reviews ({out['mean_tokens']:.0f} tokens on average): hiding the top "
           f"{args.fraction:.0%} attributed tokens lowers the label's probability by {out['top_drop']:.4f}, "

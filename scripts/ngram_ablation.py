@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the accuracies as JSON")
     args = ap.parse_args()
 
-    from transformer_cli.data import prepare_train_data
+    from transformer_cli.data import VALIDATION_SPLIT, prepare_eval_data
     from transformer_cli.errors import TfmError
     from transformer_cli.evaluate import evaluate_model, load_model_dir
     from transformer_cli.runtime import make_runtime
@@ -44,14 +44,13 @@ def main() -> None:
             raise SystemExit(f"error: '{args.run}' was trained without an n-gram path (model.ngram_buckets = 0)")
         if args.data:
             cfg = cfg.replace(data={"source": args.data})
-        data = prepare_train_data(cfg.data, cfg.train.seed)
+        # what the run validated on, encoded with its own tokenizer (a fine-tuned run's is its encoder's)
+        val = prepare_eval_data(cfg.data, tokenizer, VALIDATION_SPLIT, None, cfg.train.seed, labels)
     except TfmError as e:
         raise SystemExit(f"error: {e}") from None
-    if data.tokenizer.to_str() != tokenizer.to_str():
-        raise SystemExit("error: the rebuilt validation split's tokenizer differs from the run's; pass the run's --data")
 
     def accuracy(m: nn.Module) -> float:
-        return evaluate_model(m, data.val, rt, cfg.train.eval_batch_size, len(labels))["accuracy"]
+        return evaluate_model(m, val, rt, cfg.train.eval_batch_size, len(labels))["accuracy"]
 
     table = model.ngrams.table.weight
     result = {"model": accuracy(model), "ngrams_only": accuracy(NgramsOnly(model))}
@@ -63,7 +62,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"validation accuracy of {args.run} ({len(data.val)} reviews)")
+    print(f"validation accuracy of {args.run} ({len(val)} reviews)")
     for name, acc in result.items():
         print(f"  {name:<17} {acc:.2%}")
 

@@ -148,6 +148,19 @@ def test_faithfulness_gives_no_ratio_when_hiding_random_tokens_does_not_lower_th
     json.dumps(out, allow_nan=False)
 
 
+def test_faithfulness_measures_the_calibrated_probabilities():
+    """As `tfm predict --explain` shows them: the logits divided by the model's temperature."""
+    from transformer_cli.explain import hidden_probability
+
+    ids = torch.arange(21)
+    p = hidden_probability(Raising(), ids, 0, [np.zeros(0, dtype=np.int64), np.array([1, 2])], temperature=4.0)
+    np.testing.assert_allclose(p, [0.5, 1 / (1 + np.exp(-2 / 4.0))], rtol=1e-6)  # 2 hidden: logits (2, 0)
+    hot, cold = (faithfulness(Raising(), [(ids, 0, np.linspace(0, 1, 20))], fraction=0.1, temperature=t)
+                 for t in (1.0, 4.0))
+    assert hot["top_drop"] == pytest.approx(0.5 - 1 / (1 + np.exp(-2)))
+    assert cold["top_drop"] == pytest.approx(0.5 - 1 / (1 + np.exp(-2 / 4.0)))
+
+
 def test_faithfulness_leaves_out_reviews_with_nothing_to_hide():
     ids = torch.arange(21)
     alone = faithfulness(Raising(), [(ids, 0, np.linspace(0, 1, 20))], fraction=0.1)

@@ -103,6 +103,20 @@ def test_ngram_ablation_scores_the_whole_model_and_each_path(synthetic_data_dir,
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
+def test_ngram_ablation_reads_a_fine_tuned_run_with_its_encoders_tokenizer(synthetic_data_dir, tmp_path):
+    from conftest import tiny_config
+
+    from transformer_cli.pretrain import pretrain
+    from transformer_cli.train import train
+
+    pretrain(tiny_config(synthetic_data_dir, tmp_path / "pre", train__max_steps=2), progress=False)
+    metrics = train(tiny_config(synthetic_data_dir, tmp_path / "run", train__init_from=str(tmp_path / "pre"),
+                                model__ngram_buckets=256, train__max_steps=4), progress=False)
+    done = run([sys.executable, str(REPO / "scripts" / "ngram_ablation.py"), str(tmp_path / "run"), "--json"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["model"] == metrics["val"]["accuracy"]
+
+
 @pytest.mark.parametrize("script", [["calibration_check.py", "{run}"], ["faithfulness.py", "-c", "{run}"],
                                     ["loadtest_serve.py", "-c", "{run}"], ["tfidf_baseline.py", "--data", "{run}"]])
 def test_scripts_refuse_a_missing_folder_in_one_line(script, tmp_path):

@@ -146,20 +146,22 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
 # --------------------------------------------------------------------------- faithfulness
 
 
-def hidden_probability(model, ids: torch.Tensor, target: int, hidden: list[np.ndarray]) -> np.ndarray:
-    """The probability of `target` with each set of positions of `hidden` masked out (as padding), one
-    review's (T,) ids; a batch of len(hidden) forward passes."""
+def hidden_probability(model, ids: torch.Tensor, target: int, hidden: list[np.ndarray],
+                       temperature: float = 1.0) -> np.ndarray:
+    """The probability of `target` (of the logits divided by `temperature`, the model's calibration) with
+    each set of positions of `hidden` masked out (as padding), one review's (T,) ids; a batch of
+    len(hidden) forward passes."""
     device = next(model.parameters()).device
     mask = torch.ones(len(hidden), len(ids), dtype=torch.bool)
     for row, positions in enumerate(hidden):
         mask[row, torch.as_tensor(positions, dtype=torch.long)] = False
     with torch.inference_mode():
         logits = model(ids.expand(len(hidden), -1).to(device), mask.to(device))  # (N, L)
-    return logits.float().softmax(-1)[:, target].cpu().double().numpy()
+    return (logits.float() / temperature).softmax(-1)[:, target].cpu().double().numpy()
 
 
 def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fraction: float = 0.1,
-                 random_draws: int = 5, seed: int = 0) -> dict:
+                 random_draws: int = 5, seed: int = 0, temperature: float = 1.0) -> dict:
     """Hide each review's most-attributed tokens (the top `fraction` of its tokens, at least one) and,
     separately, as many random ones (`random_draws` draws, averaged); report the mean drops of the
     label's probability and their ratio. `reviews`: ((T,) ids, target, (T-1,) attributions without
@@ -175,7 +177,7 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
         k = max(1, round(fraction * n))
         top = 1 + np.argsort(-np.asarray(attr), kind="stable")[:k]  # positions after [CLS]
         draws = [1 + rng.choice(n, size=k, replace=False) for _ in range(random_draws)]
-        p = hidden_probability(model, ids, target, [np.zeros(0, dtype=np.int64), top, *draws])
+        p = hidden_probability(model, ids, target, [np.zeros(0, dtype=np.int64), top, *draws], temperature)
         top_drops.append(p[0] - p[1])
         random_drops.append(p[0] - p[2:].mean())
     if not top_drops:
