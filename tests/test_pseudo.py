@@ -189,6 +189,17 @@ def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir,
     assert len(everything.train) == len(plain.train) + 3  # every score, less the known reviews and the copy
 
 
+def test_a_test_split_without_labels_does_not_stop_self_training(tmp_path):
+    """Its reviews cannot be scored, so there is nothing to keep them out of (GLUE-style -1 labels)."""
+    write_jsonl(tmp_path / "train.jsonl", make_examples(60, seed=1))
+    write_jsonl(tmp_path / "test.jsonl", [{"text": "a hidden test review", "label": -1}])
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": "an unlabelled review, loved it", "label": "pos",
+                                               "score": 0.97}])
+    plain = prepare_train_data(DataConfig(source=str(tmp_path), vocab_size=200, max_length=64), seed=0)
+    mixed = prepare_train_data(pseudo_cfg(tmp_path, path), seed=0)
+    assert len(mixed.train) == len(plain.train) + 1
+
+
 @pytest.mark.parametrize(("rows", "message"), [
     ([{"text": "a review", "label": "maybe", "score": 0.9}], "label 'maybe'"),
     ([{"text": "a review", "label": "pos", "score": 1.5}], "scores outside [0, 1]"),

@@ -881,7 +881,10 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
     if cfg.pseudo_labels is not None:
         # Never trained on: validation and test reviews (IMDB's unlabelled reviews repeat some of its test
         # reviews), nor a second copy of a training review, whose own label stands.
-        test = load_splits(cfg, (), ("test",), label_names=label_names)[0].get("test")
+        try:
+            test = load_splits(cfg, (), ("test",), label_names=label_names)[0].get("test")
+        except TfmError:  # a test split whose labels cannot be read (-1, say) cannot be scored either
+            test = None
         known = {*val_raw.texts, *train_raw.texts, *(test.texts if test is not None else ())}
         extra = read_pseudo_labels(cfg, label_names, known)
         train_raw = RawSplit(train_raw.texts + extra.texts, np.concatenate([train_raw.labels, extra.labels]))
