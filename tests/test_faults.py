@@ -801,6 +801,28 @@ def test_occasional_non_finite_steps_are_skipped_and_counted(synthetic_data_dir,
         assert all(torch.isfinite(t).all() for t in load_file(str(f)).values())
 
 
+def test_the_fp16_scalers_skipped_steps_are_counted_and_never_stop_training(synthetic_data_dir, tmp_path,
+                                                                          monkeypatch):
+    """Under fp16 the gradient scaler skips a step whose gradients overflow and lowers its scale: how it
+    finds its scale, so such steps count in bad_steps but not towards max_bad_steps in a row. An enabled
+    scaler on the CPU (fp32 compute) stands in for a GPU's fp16."""
+    from transformer_cli import runtime
+
+    monkeypatch.setattr(runtime.Runtime, "grad_scaler", lambda self: torch.amp.GradScaler("cpu", init_scale=2.0 ** 8))
+    out = tmp_path / "run"
+    poison_training_loss(monkeypatch, lambda n: n in (3, 4, 5, 11), "grad")
+    train(tiny_config(synthetic_data_dir, out, train__log_every=1, train__max_steps=20, train__max_bad_steps=3),
+          progress=False)
+    monkeypatch.undo()
+    metrics = json.loads((out / ckpt.METRICS_FILE).read_text())
+    assert metrics["bad_steps"] == 4 and metrics["steps"] == 20  # 3 in a row did not stop it
+    assert scalars(out, "train/bad_steps") == [(4, 1.0), (5, 2.0), (6, 3.0), (12, 4.0)]
+    assert [s for s, _ in scalars(out, "train/loss")] == [s for s in range(1, 21) if s not in (4, 5, 6, 12)]
+    _, state = ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])
+    assert all(int(s["step"]) == 20 - 4 for s in state["optimizer"]["state"].values())  # skipped = no update
+    assert state["scaler"]["scale"] < 2.0 ** 8  # lowered by the overflows
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # NaN logits are neither measured nor drawn
 def test_a_run_without_a_finite_validation_ends_with_an_error(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"

@@ -331,6 +331,7 @@ class StepResult:
     stats: dict[str, float]  # the task's statistics, means over the step's units and all ranks
     grad_norm: float
     finite: bool  # False: the step was skipped (non-finite loss or gradient)
+    overflowed: bool  # fp16: the gradient scaler skipped the step (its gradients overflowed) and lowers its scale
     stopping: bool  # a stop was asked for on some rank
     samples: int  # examples in the step, all ranks
     tokens: int
@@ -369,19 +370,20 @@ def train_step(run: Run, batches: list[Batch], stop_requested: Callable[[], bool
     grad_clip = run.cfg.train.grad_clip
     grad_norm = clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
     finite = math.isfinite(objective_value) and (math.isfinite(grad_norm) or scaler.is_enabled())
+    overflowed = scaler.is_enabled() and not math.isfinite(grad_norm)
     samples, tokens = sum(b.samples for b in batches), sum(b.tokens for b in batches)
     stopping = stop_requested()  # asked during this step: it still ends, and is saved, before the stop
     if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
         bad, stops, samples, tokens, *values = rt.all_sum([float(not finite), float(stopping), samples, tokens, *values])
         finite, stopping, samples, tokens = bad == 0, stops > 0, int(samples), int(tokens)
         values = [v / rt.world_size for v in values]
-    if finite:
+    if finite and not overflowed:
         scaler.step(run.optimizer)
         if run.ema is not None:
             run.ema.update(run.state.step)
-    scaler.update()
+    scaler.update()  # after an overflow: a lower scale (unscale_ recorded it)
     run.optimizer.zero_grad(set_to_none=True)
-    return StepResult(dict(zip(names, values)), grad_norm, finite, stopping, samples, tokens)
+    return StepResult(dict(zip(names, values)), grad_norm, finite, overflowed, stopping, samples, tokens)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -425,7 +427,9 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
             st.batch_in_epoch += 1
             st.samples_seen += result.samples
             st.tokens_seen += result.tokens
-            if result.finite:
+            if result.overflowed:  # counted, never "in a row": the scaler finds its scale so
+                st.bad_steps_total += 1
+            elif result.finite:
                 st.bad_steps_in_row = 0
                 for name, value in result.stats.items():
                     st.stats_since_log[name] = st.stats_since_log.get(name, 0.0) + value
@@ -481,7 +485,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
             window["tokens"] += result.tokens
             if bar is not None:
                 bar.update(1)
-            if not result.finite:
+            if not result.finite or result.overflowed:
                 logger.scalars(st.step, {f"{task.prefix}/bad_steps": st.bad_steps_total})
                 if st.bad_steps_in_row >= tc.max_bad_steps:
                     raise TfmError(
