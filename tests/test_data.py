@@ -595,6 +595,7 @@ def acl_root(tmp_path) -> Path:
         path.write_text(text, encoding="utf-8")
     (tmp_path / "aclImdb" / "train" / "unsup").mkdir()  # present in the real archive; ignored
     (tmp_path / "aclImdb" / "train" / "unsup" / "0_0.txt").write_text("unlabelled")
+    (tmp_path / "aclImdb" / "train" / "pos" / "._1_7.txt").write_bytes(b"\x00\x05Mac OS X")  # no review
     return tmp_path
 
 
@@ -613,6 +614,10 @@ def test_load_aclimdb(acl_root, acl_tarball, where):
     assert labels == ["neg", "pos"]
     for split in ("train", "test"):
         assert sorted(pairs(splits[split])) == expected_acl(split)
+    optional, _ = load_splits(cfg_for(source), ("train",), ("test", "validation"))  # what it has of them
+    assert sorted(optional) == ["test", "train"] and sorted(pairs(optional["test"])) == expected_acl("test")
+    with pytest.raises(UsageError, match="has only 'train' and 'test' splits, not 'unsup'"):
+        load_splits(cfg_for(source), ("unsup",))
 
 
 @pytest.mark.parametrize("source", ["{tmp}/missing", "{tmp}/missing.csv", "./no/such/folder", "nope.jsonl"])

@@ -105,12 +105,12 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, .
         return _from_hf_files(files, cfg, splits, optional, label_names)
     if path.is_file():
         if source.endswith((".tar.gz", ".tgz")):
-            return _with_names(_from_acl_tarball(path, splits), label_names, source)
+            return _with_names(_from_acl_tarball(path, _acl_splits(splits, optional, "archive")), label_names, source)
         raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
     if path.is_dir():
         acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
         if (acl / "train" / "pos").is_dir():
-            return _with_names(_from_acl_folder(acl, splits), label_names, source)  # aclImdb has train and test only
+            return _with_names(_from_acl_folder(acl, _acl_splits(splits, optional, "folder")), label_names, source)
         return _from_hf(source, cfg, splits, optional, label_names)
     if looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
@@ -423,16 +423,24 @@ def check_classes(labels: np.ndarray, label_names: list[str], where: str, hint: 
 
 
 _ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+_ACL_REVIEW = re.compile(r"\d+_\d+\.txt")  # ID_RATING.txt: not ._ID_RATING.txt (macOS) or notes.txt
+
+
+def _acl_splits(splits: tuple[str, ...], optional: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """The splits to read from aclImdb (train and test are all it has): the requested ones, and those
+    of the optional ones it has."""
+    for split in splits:
+        if split not in ("train", "test"):
+            raise UsageError(f"the aclImdb {what} has only 'train' and 'test' splits, not '{split}'")
+    return (*splits, *(s for s in optional if s in ("train", "test") and s not in splits))
 
 
 def _from_acl_folder(root: Path, splits: tuple[str, ...]):
     out = {}
     for split in splits:
-        if split not in ("train", "test"):
-            raise UsageError(f"the aclImdb folder has only 'train' and 'test' splits, not '{split}'")
         texts, labels = [], []
         for label, sub in enumerate(("neg", "pos")):
-            for f in sorted((root / split / sub).glob("*.txt")):
+            for f in sorted(f for f in (root / split / sub).glob("*.txt") if _ACL_REVIEW.fullmatch(f.name)):
                 texts.append(f.read_text(encoding="utf-8", errors="replace"))
                 labels.append(label)
         if not texts:
