@@ -230,6 +230,11 @@ def test_explain_usage_errors(trained_dir, tmp_path):
     assert_fails_cleanly(tfm("explain", "-c", tmp_path / "none", "--html", tmp_path / "x.html", "good"), 1,
                          "does not exist")
     assert not (tmp_path / "x.html").exists()
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):  # the model it reads is never written over
+        before = (trained_dir / name).read_bytes()
+        assert_fails_cleanly(tfm("explain", "-c", trained_dir, "--html", trained_dir / name, "good"), 2,
+                             "is the command's input")
+        assert (trained_dir / name).read_bytes() == before
     reviews = tmp_path / "reviews.txt"
     reviews.write_text("good\nbad\n", encoding="utf-8")
     assert_fails_cleanly(tfm("explain", "-c", trained_dir, "--file", reviews, "--html", reviews), 2,

@@ -499,9 +499,12 @@ def explain_reviews(
     ig_steps: IgSteps = None,
 ) -> None:
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
+    from transformer_cli import checkpoint as ckpt  # imports torch, as the explanation does next
+
+    model_files = [checkpoint / name for name in (ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE)]
     check_output_path(html, "--html", hint="pass a file name for the page",  # before the explanations' minutes
-                      inputs=[file] if file not in (None, "-") else [])
-    from transformer_cli.explain import refuse_ngram_path  # imports torch
+                      inputs=[*([file] if file not in (None, "-") else []), *model_files])
+    from transformer_cli.explain import refuse_ngram_path
 
     refuse_ngram_path(checkpoint)
     inputs = _read_inputs(texts or [], file)
