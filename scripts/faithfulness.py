@@ -50,7 +50,8 @@ def main() -> None:
         attr, _ = integrated_gradients(model, ids, target, temperature=temperature)
         reviews.append((ids, target, attr[1:]))
     out = faithfulness(model, reviews, args.fraction, seed=args.seed, temperature=temperature)
-    out.update({"checkpoint": str(args.checkpoint), "temperature": temperature, "torch_threads": torch.get_num_threads(),
+    out.update({"checkpoint": str(args.checkpoint), "temperature": temperature,
+                "torch_threads": torch.get_num_threads(),
                 "mean_tokens": float(np.mean([len(r[0]) for r in reviews])), "seconds": time.perf_counter() - t0})
     print(f"{out['reviews']} test reviews ({out['mean_tokens']:.0f} tokens on average): hiding the top "
           f"{args.fraction:.0%} attributed tokens lowers the label's probability by {out['top_drop']:.4f}, "

@@ -501,7 +501,8 @@ def explain_reviews(
     """Write an HTML page of each review's label, probability and tokens coloured by their contribution to it."""
     from transformer_cli import checkpoint as ckpt  # imports torch, as the explanation does next
 
-    model_files = [checkpoint / name for name in (ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE)]
+    model_files = [checkpoint / name
+                   for name in (ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE)]
     check_output_path(html, "--html", hint="pass a file name for the page",  # before the explanations' minutes
                       inputs=[*([file] if file not in (None, "-") else []), *model_files])
     from transformer_cli.explain import refuse_ngram_path
