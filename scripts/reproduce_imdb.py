@@ -50,7 +50,7 @@ import time
 import tomllib
 from pathlib import Path
 
-from transformer_cli.config import CLASSIFIER_ONLY, ENCODER_FIELDS
+from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, ENCODER_FIELDS
 from transformer_cli.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def trained(cmd: list[str], out: Path) -> None:
 
 def pretrained_encoder(data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
     out = out_root / "pretrain"
-    extra = [e for e in extra if e.split("=", 1)[0] not in CLASSIFIER_ONLY]  # `tfm pretrain` refuses those
+    extra = [e for e in extra if e.split("=", 1)[0] not in {*CLASSIFIER_ONLY, *CLASSIFIER_ONLY_IN_RECIPES}]  # refused
     trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / PAIRS[pair][0]), "--data", data, "-o", str(out),
              *extra], out)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -148,6 +148,7 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
     out = out_root / f"{recipe}-s{seed}"
     if recipe in TEACHERS:
         teacher_labels(recipe, seed, data, out_root, extra)
+    extra = [e for e in extra if not e.startswith("pretrain.")]  # for the encoder; `tfm train` refuses them
     train_cmd = [*TFM, "train", *config_args(recipe, seed, out_root, pair), "--data", data, "-o", str(out), "--seed",
                  str(seed), *extra]
     test_json, command_txt = out / "test.json", out / COMMAND_FILE
@@ -182,7 +183,7 @@ def main() -> int:
     ap.add_argument("--pair", choices=sorted(PAIRS), default="cpu",
                     help="the pretraining and fine-tuning recipes of 'pretrained' and 'scratch'")
     ap.add_argument("--results-dir", type=Path, help="copy each run's test JSON here as RECIPE-sSEED.json")
-    ap.add_argument("extra", nargs="*", help="more tfm train arguments, e.g. train.epochs=1")
+    ap.add_argument("extra", nargs="*", help="more tfm arguments, e.g. train.epochs=1 (pretrain.* ones go to tfm pretrain only)")
     args = ap.parse_args()
     if args.pair != "cpu" and "self-trained" in args.recipes:
         ap.error("--pair gpu: 'self-trained' has no GPU recipe (configs/self-train.toml is sized for a CPU)")

@@ -361,6 +361,32 @@ def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synt
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("command", "override"), [
+    ("train", "pretrain.mask_prob=0.3"), ("train", "pretrain.objective=electra"),
+    ("pretrain", "model.pooling=mean"), ("pretrain", "model.token_dropout=0.1"), ("pretrain", "train.eval_batch_size=8"),
+])
+def test_an_override_the_command_would_not_use_is_refused(synthetic_data_dir, tmp_path, command, override):
+    from typer.testing import CliRunner
+
+    from transformer_cli.cli import app
+
+    result = CliRunner().invoke(app, [command, "--config", str(CONFIGS / "tiny.toml"), "--data", str(synthetic_data_dir),
+                                      "-o", str(tmp_path / "run"), override])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"tfm: error: {override.split('=')[0]} is ")
+    assert f"`tfm {command}` does not use it: drop the override" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_recipe_file_may_hold_the_settings_of_both_commands():
+    from transformer_cli.cli import _training_config
+
+    recipe = CONFIGS / "tiny.toml"  # serves both commands: [pretrain] beside the classifier's pooling and word dropout
+    for command in ("train", "pretrain"):
+        cfg = _training_config(command, recipe, [], {})
+        assert cfg == load_config(recipe) and cfg.pretrain.val_texts != PretrainConfig().val_texts
+
+
 @pytest.mark.parametrize("metric", ["loss", "accuracy"])
 def test_the_cli_reports_the_held_out_figure_that_chose_the_model(synthetic_data_dir, tmp_path, metric):
     from typer.testing import CliRunner

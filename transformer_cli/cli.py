@@ -17,7 +17,7 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import load_config, parse_overrides, read_toml
+from transformer_cli.config import check_command_overrides, load_config, parse_overrides, read_toml
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
@@ -149,9 +149,11 @@ Force = Annotated[bool, typer.Option("--force", help="On resume, accept settings
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 
 
-def _training_config(config: Path | None, overrides: list[str] | None, options: dict[str, Any]):
-    """The run's Config: the file, then `TFM_DATA`, then the overrides, then the options that were given."""
+def _training_config(command: str, config: Path | None, overrides: list[str] | None, options: dict[str, Any]):
+    """The run's Config: the file, then `TFM_DATA`, then the overrides, then the options that were given.
+    An override that `command` would not use is refused."""
     values = parse_overrides(overrides or [])
+    check_command_overrides(command, values)
     values.update({k: v for k, v in options.items() if v is not None})
     if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
         values["data.source"] = os.environ["TFM_DATA"]
@@ -185,7 +187,7 @@ def train(
                               max_train_samples)
     options.update({"data.max_eval_samples": max_eval_samples, "train.test_at_end": True if test else None,
                     "train.init_from": None if init_from is None else str(init_from)})
-    cfg = _training_config(config, overrides, options)
+    cfg = _training_config("train", config, overrides, options)
     from transformer_cli.train import train as run_train  # imports torch
 
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
@@ -220,7 +222,7 @@ def pretrain(
     model.safetensors, config.json, tokenizer.json, metrics.json, events. `tfm train --init-from` reads it."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
-    cfg = _training_config(config, overrides, options)
+    cfg = _training_config("pretrain", config, overrides, options)
     named = output_dir is not None or "train.output_dir" in parse_overrides(overrides or []) or (
         config is not None and "output_dir" in read_toml(config).get("train", {}))
     if not named:  # the default folder is not `tfm train`'s

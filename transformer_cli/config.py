@@ -458,8 +458,7 @@ _NGRAM = "the classifier's n-gram path"
 _HELD_OUT = "the classifier's validation data; pretraining holds out pretrain.val_texts texts"
 _LOSS = "it shapes the classifier's loss"
 # The settings only `tfm train` reads, with what they are for; `tfm pretrain` refuses any of them that differs from
-# its default. model.pooling and model.token_dropout are classifier-only too, but left free: recipes shared by both
-# commands (configs/tiny.toml) and the pretraining recipes set them.
+# its default.
 CLASSIFIER_ONLY = {
     "model.ngram_buckets": _NGRAM, "model.ngram_order": _NGRAM, "model.ngram_lr_scale": _NGRAM,
     "model.ngram_binary": _NGRAM, "model.ngram_own_loss": _NGRAM,
@@ -473,6 +472,23 @@ CLASSIFIER_ONLY = {
     "train.calibrate": "the classifier's probabilities",
     "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
 }
+# Classifier-only too, but a recipe file shared by both commands may set them: refused on `tfm pretrain`'s command line.
+CLASSIFIER_ONLY_IN_RECIPES = {
+    "model.pooling": "the classifier's pooling", "model.token_dropout": "the classifier's word dropout",
+    "train.eval_batch_size": "the classifier's validation and test batches; pretraining validates in fixed batches",
+}
+
+
+def check_command_overrides(command: str, overrides: dict[str, Any]) -> None:
+    """Refuse a SECTION.FIELD=VALUE override that `command` ('train' or 'pretrain') would parse and never use:
+    the [pretrain] section for `tfm train`, CLASSIFIER_ONLY_IN_RECIPES for `tfm pretrain` (CLASSIFIER_ONLY
+    settings are refused by pretraining itself, from a file too). A recipe file may hold either."""
+    for key in overrides:
+        if command == "train" and key.partition(".")[0] == PretrainConfig._name:
+            raise UsageError(f"{key} is a setting of `tfm pretrain`; `tfm train` does not use it: drop the override")
+        if command == "pretrain" and key in CLASSIFIER_ONLY_IN_RECIPES:
+            raise UsageError(f"{key} is for `tfm train` ({CLASSIFIER_ONLY_IN_RECIPES[key]}); `tfm pretrain` does not "
+                             "use it: drop the override")
 
 
 def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
