@@ -50,6 +50,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from transformer_cli.checkpoint import MODEL_FILE
 from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, ENCODER_FIELDS
 from transformer_cli.fileio import atomic_write_text
 
@@ -109,16 +110,20 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
     return ["--config", str(ROOT / "configs" / f"{recipe}.toml"), *RECIPE_ARGS.get(recipe, [])]
 
 
-def trained(cmd: list[str], out: Path) -> None:
+def trained(cmd: list[str], out: Path, inputs: tuple[Path, ...] = ()) -> None:
     """Run a `tfm train` or `tfm pretrain` command into `out` unless it finished there (then say so
-    where another command trained it: its figures are that command's); resume it if it stopped; keep
-    the command in the folder."""
+    where another command trained it, or where one of its `inputs`, an encoder or labels, was written
+    after it: its figures are not this pipeline's); resume it if it stopped; keep the command in the folder."""
     command, command_txt = shlex.join(["tfm", *cmd[len(TFM):]]), out / COMMAND_FILE
     if (out / "metrics.json").exists():
         if command_txt.exists() and command_txt.read_text().strip() != command:
             print(f"reproduce_imdb: warning: {out} was trained by another command, kept: "
                   f"`{command_txt.read_text().strip()}` (remove the folder to train it with this one)",
                   file=sys.stderr)
+        finished = (out / "metrics.json").stat().st_mtime
+        for newer in (f for f in inputs if f.exists() and f.stat().st_mtime > finished):
+            print(f"reproduce_imdb: warning: {out} was trained before {newer} was written again, kept "
+                  "(remove the folder to train it on the new one)", file=sys.stderr)
         return
     resume = ["--resume"] if (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("step-*")) else []
     run(cmd + resume)
@@ -140,8 +145,9 @@ def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: lis
     reviews, once."""
     teacher = one(TEACHERS[recipe], seed, data, out_root, extra)["out"]
     labels = pseudo_labels(recipe, seed, out_root)
-    if not labels.exists():  # written whole or not at all
-        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(labels)])
+    # Written whole or not at all; labelled again when the teacher was trained again since.
+    if not labels.exists() or (teacher / MODEL_FILE).stat().st_mtime > labels.stat().st_mtime:
+        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(labels), "--force"])
 
 
 def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
@@ -152,7 +158,9 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
     train_cmd = [*TFM, "train", *config_args(recipe, seed, out_root, pair), "--data", data, "-o", str(out), "--seed",
                  str(seed), *extra]
     test_json, command_txt = out / "test.json", out / COMMAND_FILE
-    trained(train_cmd, out)
+    inputs = ((out_root / "pretrain" / MODEL_FILE,) if recipe in ("pretrained", "self-trained") else ()) + (
+        (pseudo_labels(recipe, seed, out_root),) if recipe in TEACHERS else ())
+    trained(train_cmd, out, inputs)
     if not test_json.exists():
         tmp = test_json.with_suffix(".json.tmp")
         try:

@@ -580,6 +580,17 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
     assert student["data"]["pseudo_labels"] == str(runs / "pseudo-wide-and-deep-s1.jsonl")
     assert student["data"]["pseudo_min_score"] == 0.0
 
+    # The teacher trained again (its weights newer than its labels): the reviews are labelled again, and the
+    # kept student, trained on the old labels, is named in a warning.
+    later = (runs / "pseudo-wide-and-deep-s1.jsonl").stat().st_mtime + 10
+    os.utime(runs / "wide-and-deep-s1" / "model.safetensors", (later, later))
+    again = run(cmd)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = [line for line in again.stdout.splitlines() if line.startswith("$ ")]
+    assert len(steps) == 1 and " pseudo-label " in steps[0]
+    assert f"{runs / 'taught-s1'} was trained before {runs / 'pseudo-wide-and-deep-s1.jsonl'} was written again" in (
+        again.stderr)
+
 
 def test_reproduce_runs_the_gpu_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path):
     """--pair gpu: configs/pretrain-gpu.toml pretrains, configs/finetune-gpu.toml fine-tunes both the
