@@ -15,7 +15,7 @@ from transformer_cli import checkpoint as ckpt
 from transformer_cli import runtime
 from transformer_cli import train as train_mod
 from transformer_cli.config import LEGACY_VALUES, TrainConfig
-from transformer_cli.errors import UsageError
+from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.train import Interrupted, lr_at, train
 
@@ -609,6 +609,32 @@ def test_a_run_branched_into_a_new_folder_keeps_the_checkpoints_best_model(synth
     resumed = train(tiny_config(synthetic_data_dir, branch, **kw), resume=str(best), progress=False)
     assert resumed["best_step"] == m["best_step"]
     assert (branch / ckpt.MODEL_FILE).read_bytes() == (source / ckpt.MODEL_FILE).read_bytes()
+
+
+def test_a_damaged_best_model_in_the_checkpoint_is_refused_and_the_outputs_model_kept(synthetic_data_dir, tmp_path):
+    out = tmp_path / "run"
+    kw = {"train__max_steps": 8, "train__eval_every": 4, "train__checkpoint_every": 4}
+    train(tiny_config(synthetic_data_dir, out, **kw), progress=False)
+    kept = (out / ckpt.MODEL_FILE).read_bytes()
+    last = ckpt.checkpoint_dirs(out)[-1]
+    (last / ckpt.BEST_FILE).unlink()  # a hard link to an earlier model file: cut a copy, not the model
+    (last / ckpt.BEST_FILE).write_bytes(kept[:3000])
+    with pytest.raises(TfmError, match=rf"weights file '.*{ckpt.BEST_FILE}' is damaged"):
+        train(tiny_config(synthetic_data_dir, out, **kw), resume=True, progress=False)
+    assert (out / ckpt.MODEL_FILE).read_bytes() == kept
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("trainer.json", "[]", "is not a tfm checkpoint's"), ("trainer.json", "{}", "is not a tfm checkpoint's"),
+    (ckpt.TOKENIZER_FILE, '{"version": "1.0", "trunc', "tokenizer '.*' is unreadable"),
+])
+def test_a_checkpoint_with_an_odd_file_is_refused_in_one_line(synthetic_data_dir, tmp_path, name, text, message):
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=4, train__checkpoint_every=4), progress=False)
+    (ckpt.checkpoint_dirs(out)[-1] / name if name == "trainer.json" else out / name).write_text(text)
+    with pytest.raises(TfmError, match=message) as info:
+        train(tiny_config(synthetic_data_dir, out, train__max_steps=8), resume=True, progress=False)
+    assert "\n" not in str(info.value)
 
 
 def test_resuming_from_an_earlier_checkpoint_abandons_the_later_ones(synthetic_data_dir, tmp_path):

@@ -47,13 +47,18 @@ def state_bytes(model) -> bytes:
 def load_weights(model, path: Path, prefix: str = "") -> None:
     """Load safetensors weights into `model`, refusing any name or shape mismatch. With `prefix`, the
     file's tensors named PREFIX... (e.g. "encoder.": a pretrained encoder) load into `model` alone."""
+    model.load_state_dict(checked_weights(path, model.state_dict(), prefix))
+
+
+def checked_weights(path: Path, expected: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of safetensors file `path` (those named PREFIX..., the prefix removed), refused in one
+    line unless they have exactly the names and shapes of the state dict `expected`."""
     try:
         tensors = {k.removeprefix(prefix): v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
     except FileNotFoundError:
         raise TfmError(f"weights file '{path}' is missing") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise TfmError(f"weights file '{path}' is damaged or not safetensors ({e})") from None
-    expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
@@ -67,7 +72,7 @@ def load_weights(model, path: Path, prefix: str = "") -> None:
                 f"weights in '{path}' do not match the config: {name} has shape {tuple(t.shape)}, "
                 f"config gives {tuple(expected[name].shape)}"
             )
-    model.load_state_dict(tensors)
+    return tensors
 
 
 # --------------------------------------------------------------------------- the model directory
@@ -78,6 +83,16 @@ def model_files(cfg_dict: dict, tokenizer_json: str, vocab_size: int, **meta) ->
     model needs. `meta` adds fields to config.json (a classifier's `labels`, say)."""
     config = {"format_version": FORMAT_VERSION, **meta, "vocab_size": vocab_size, **cfg_dict}
     return {CONFIG_FILE: json.dumps(config, indent=2) + "\n", TOKENIZER_FILE: tokenizer_json}
+
+
+def read_tokenizer(path: Path):
+    """The `tokenizers.Tokenizer` saved in `path` (a tokenizer.json), refused in one line if unreadable."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file)
+        raise TfmError(f"tokenizer '{path}' is unreadable ({e}); write it again with the command that made it") from None
 
 
 def refuse_pretrained_encoder(folder: Path, meta: object = None, then: str = "") -> None:

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
-from transformer_cli.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, load_weights, refuse_pretrained_encoder
+from transformer_cli.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    load_weights,
+    read_tokenizer,
+    refuse_pretrained_encoder,
+)
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
@@ -266,8 +273,6 @@ class Loaded(NamedTuple):
 def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
     """The model (in eval mode), Config, tokenizer, labels and temperature of a `tfm train` output
     directory, its config.json read once."""
-    from tokenizers import Tokenizer
-
     out = Path(path)
     if not out.is_dir():
         what = "is a file, not a directory" if out.exists() else "does not exist"
@@ -290,10 +295,7 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
     except (KeyError, TypeError, ValueError, TfmError) as e:  # TfmError: a value the config refuses
         raise TfmError(f"'{out / CONFIG_FILE}' is incomplete or invalid ({e})") from None
     temperature = temperature_of(meta, str(out / CONFIG_FILE))
-    try:
-        tokenizer = Tokenizer.from_file(str(out / TOKENIZER_FILE))
-    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file)
-        raise TfmError(f"tokenizer '{out / TOKENIZER_FILE}' is unreadable ({e})") from None
+    tokenizer = read_tokenizer(out / TOKENIZER_FILE)
     if tokenizer.get_vocab_size() != vocab_size:
         raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from transformer_cli import __version__
+from transformer_cli.checkpoint import read_tokenizer
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan, load_model_dir
@@ -161,8 +162,6 @@ class OnnxClassifier:
     `tfm predict` gives, without torch's model code."""
 
     def __init__(self, path: str | Path, threads: int | None = None):
-        from tokenizers import Tokenizer
-
         _require("running an exported model", "onnxruntime")
         path = Path(path)
         if not path.is_file():
@@ -178,10 +177,7 @@ class OnnxClassifier:
             raise TfmError(f"'{path}' is not a `tfm export` file (its metadata lacks {e})") from None
         except Exception as e:  # noqa: BLE001 (onnxruntime's errors for a damaged file derive from Exception only)
             raise TfmError(f"'{path}' is unreadable as ONNX ({type(e).__name__}: {e})") from None
-        try:
-            self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
-        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
-            raise TfmError(f"tokenizer '{tokenizer_path}' next to '{path}' is unreadable ({e})") from None
+        self.tokenizer = read_tokenizer(tokenizer_path)
 
     def encode(self, texts: list[str]) -> Encoded:
         ids, offsets = encode_texts(self.tokenizer, texts, self.max_length, self.truncation, self.head_fraction)

@@ -776,8 +776,11 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
         elif state.best_step < 0:  # nothing validated yet: a model here is a later (or another) run's
             (out / ckpt.MODEL_FILE).unlink(missing_ok=True)
         elif (resume_dir / ckpt.BEST_FILE).is_file():
-            # the best model as of the checkpoint, not whatever a later (or another) run saved since
-            atomic_write_bytes(out / ckpt.MODEL_FILE, (resume_dir / ckpt.BEST_FILE).read_bytes())
+            # the best model as of the checkpoint, not whatever a later (or another) run saved since; a damaged
+            # copy is refused before it replaces the output's model
+            best = resume_dir / ckpt.BEST_FILE
+            ckpt.checked_weights(best, model.state_dict())
+            atomic_write_bytes(out / ckpt.MODEL_FILE, best.read_bytes())
         for name, text in files.items():
             atomic_write_text(out / name, text)
     engine: torch.nn.Module = model
@@ -793,6 +796,9 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
 def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
              force: bool) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
+    if not isinstance(train_json, dict) or not {"config", "state", "rng"} <= set(train_json):
+        raise TfmError(f"checkpoint state '{path / 'trainer.json'}' is not a tfm checkpoint's (no config, state and "
+                       "rng); pick another checkpoint with --resume-from")
     changed = _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     try:
@@ -842,10 +848,8 @@ def load_encoder(encoder: torch.nn.Module, model_dir: Path) -> None:
 
 def load_tokenizer(out: Path):
     """The tokenizer of the run in `out`; None if it has none (a checkpoint folder copied alone)."""
-    from tokenizers import Tokenizer
-
     path = out / ckpt.TOKENIZER_FILE
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
+    return ckpt.read_tokenizer(path) if path.is_file() else None
 
 
 def load_labels(out: Path) -> list[str] | None:
