@@ -119,6 +119,34 @@ def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unl
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunked.jsonl", "whole.jsonl"]  # no temporary file left
 
 
+def test_sigterm_while_labelling_exits_143_and_leaves_no_partial_file(trained_dir, unlabelled, tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's, `timeout`'s) midway: the temporary file goes, the earlier output stays."""
+    import os
+    import signal
+
+    from transformer_cli import pseudo
+
+    source, _ = unlabelled
+    out = tmp_path / "labels.jsonl"
+    out.write_text("earlier\n")
+    real, calls = pseudo.predict_proba, []
+
+    def terminated_at_the_second_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 7)
+    monkeypatch.setattr(pseudo, "predict_proba", terminated_at_the_second_chunk)
+    before = signal.getsignal(signal.SIGTERM)
+    result = tfm("pseudo-label", "-c", trained_dir, "--data", source, "-o", out, "--force")
+    assert_fails_cleanly(result, 143, "terminated")
+    assert len(calls) == 2 and out.read_text() == "earlier\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["labels.jsonl"]  # no temporary file left
+    assert signal.getsignal(signal.SIGTERM) is before  # the CLI's handler is gone with the command
+
+
 def test_an_existing_output_is_replaced_only_with_force(trained_dir, unlabelled, tmp_path):
     source, texts = unlabelled
     out = tmp_path / "pseudo.jsonl"

@@ -8,6 +8,7 @@ import codecs
 import errno
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,15 @@ from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that its clean-ups run (a file being written is not left
+    half done); training and `tfm serve` handle the signal themselves while they run."""
+
+
+def _terminate(signum, frame) -> NoReturn:
+    raise _Terminated
+
+
 class _Tfm(TyperGroup):
     """The `tfm` command group, whose `main` is the CLI's one error boundary."""
 
@@ -32,6 +42,17 @@ class _Tfm(TyperGroup):
         is answered first, as typer's own `main` would."""
         prog_name = prog_name or "tfm"
         self._main_shell_completion(extra, prog_name, extra.pop("complete_var", None))  # exits if it was one
+        try:
+            previous = signal.signal(signal.SIGTERM, _terminate)
+        except ValueError:  # not the main thread (an embedding program's worker): leave signals alone
+            previous = None
+        try:
+            self._run(args, prog_name, extra)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _run(self, args: Sequence[str] | None, prog_name: str, extra: dict[str, Any]) -> NoReturn:
         click_exception, usage_error, no_args = _click_errors()
         try:
             with self.make_context(prog_name, sys.argv[1:] if args is None else list(args), **extra) as ctx:
@@ -51,6 +72,8 @@ class _Tfm(TyperGroup):
             _exit_with_error(str(e), e.exit_code)
         except (KeyboardInterrupt, typer.Abort):
             _exit_with_error("interrupted", 130)
+        except _Terminated:
+            _exit_with_error("terminated", 128 + signal.SIGTERM)
         except OSError as e:
             if e.errno == errno.EPIPE:  # the reader of the output (`tfm predict ... | head`) has gone
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
