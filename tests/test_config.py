@@ -90,13 +90,20 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"model": {"n_layers": 10**6}}, ["model.n_layers", "between 1 and 1,024"]),
         ({"data": {"max_length": 10**8}}, ["data.max_length", "between 2 and 1,048,576"]),
         ({"train": {"num_threads": 100_000}}, ["train.num_threads", "at most 1,024"]),
+        ({"model": {"ngram_buckets": 2**63 - 1}}, ["model.ngram_buckets", "up to 16,777,216"]),
+        ({"pretrain": {"generator_layers": 10**8}}, ["pretrain.generator_layers", "between 1 and 1,024"]),
+        ({"pretrain": {"splits": "train"}}, ["pretrain.splits", "expected a list of str", 'TOML: ["train"]']),
+        ({"pretrain": {"splits": "[train]"}}, ["pretrain.splits", "quote a list's strings"]),
+        ({"model": {"dropout": ".5"}}, ["model.dropout", "expected float", "numbers as 0.5"]),
+        ({"train": {"output_dir": 2024}}, ["train.output_dir", "expected str", 'a string in quotes, "2024"']),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
          "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
          "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty",
          "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge", "length-huge",
-         "threads-huge"],
+         "threads-huge", "ngram-buckets-huge", "generator-huge", "str-for-list", "unquoted-list", "toml-float",
+         "int-for-str"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:
@@ -260,3 +267,19 @@ def test_local_data_paths_are_recorded_absolute_so_a_run_finds_them_from_anywher
     assert named == f"train={tmp_path.resolve() / 'a.csv'},test=missing.csv"  # a missing file is left for the error
     assert load_config(overrides={"data.source": "stanfordnlp/imdb"}).data.source == "stanfordnlp/imdb"  # a Hub id
     assert load_config().data.source == "stanfordnlp/imdb"
+
+
+def test_a_tilde_in_the_output_folder_is_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_config(overrides={"train.output_dir": "~/runs/x"}).train.output_dir == str(tmp_path / "runs" / "x")
+    assert load_config(overrides={"train.output_dir": "runs/~x"}).train.output_dir == "runs/~x"
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_an_empty_output_dir_option_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch, command):
+    from test_cli import assert_fails_cleanly, tfm
+
+    monkeypatch.chdir(tmp_path)
+    result = tfm(command, "--config", CONFIGS / "tiny.toml", "--data", tmp_path / "none.csv", "-o", "")
+    assert_fails_cleanly(result, 2, "train.output_dir", "must name a folder")
+    assert list(tmp_path.iterdir()) == []

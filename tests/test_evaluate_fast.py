@@ -71,6 +71,16 @@ def test_batch_plan_covers_every_example_once_within_its_limits(batch_size, max_
         assert [len(b) for b in plan[:-1]] == [batch_size] * (len(plan) - 1)  # plain fixed-size batches
 
 
+@pytest.mark.parametrize("max_tokens", [None, 333])
+def test_a_batch_size_beyond_the_rows_plans_as_all_of_them_in_little_memory(max_tokens):
+    """`--batch-size` caps a batch's rows: a huge one (10**12, 2**63) plans as len(lengths) does, in
+    work and memory of the rows, not of the cap."""
+    lengths = random_encoded(97, seed=0).lengths
+    expected = [idx.tolist() for idx in ev.batch_plan(lengths, len(lengths), max_tokens)]
+    for huge in (10**12, 2**63):
+        assert [idx.tolist() for idx in ev.batch_plan(lengths, huge, max_tokens)] == expected
+
+
 def plan_cost(lengths: np.ndarray, plan: list[np.ndarray]) -> int:
     return sum(len(idx) * int(lengths[idx].max()) + ev.BATCH_CALL_TOKENS for idx in plan)
 

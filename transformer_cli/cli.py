@@ -150,7 +150,7 @@ ConfigFile = Annotated[Path | None, typer.Option(
 Data = Annotated[str | None, typer.Option(
     "--data", help="Hub id, Hub-layout folder, aclImdb folder/tarball, or CSV/JSONL/Parquet file(s) (and .txt for "
     "pretrain); default: env TFM_DATA, else the config's.", show_default=False)]
-OutputDir = Annotated[Path | None, typer.Option(
+OutputDir = Annotated[str | None, typer.Option(  # str: click would make "" (an unset $OUT) the current folder
     "--output-dir", "-o", help="Where the model, metrics and TensorBoard events go.", show_default=False)]
 Epochs = Annotated[int | None, typer.Option("--epochs", help="Passes over the training texts.", show_default=False)]
 MaxSteps = Annotated[int | None, typer.Option("--max-steps", help="Stop after this many optimizer steps.",
@@ -186,7 +186,7 @@ def _training_config(command: str, config: Path | None, overrides: list[str] | N
 def _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                     max_train_samples) -> dict[str, Any]:
     return {
-        "data.source": data, "train.output_dir": None if output_dir is None else str(output_dir),
+        "data.source": data, "train.output_dir": output_dir,
         "train.epochs": epochs, "train.max_steps": max_steps, "train.batch_size": batch_size, "train.lr": lr,
         "train.seed": seed, "train.device": device, "train.precision": precision,
         "data.max_train_samples": max_train_samples,

@@ -40,9 +40,8 @@ class _Section:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if not _type_ok(value, hints[f.name]):
-                raise UsageError(
-                    f"{self._name}.{f.name} = {value!r}: expected {_type_name(hints[f.name])}"
-                )
+                raise UsageError(f"{self._name}.{f.name} = {value!r}: expected {_type_name(hints[f.name])}"
+                                 + _toml_hint(value, hints[f.name]))
             if isinstance(value, int) and not isinstance(value, bool) and _wants_float(hints[f.name]):
                 try:
                     object.__setattr__(self, f.name, float(value))
@@ -105,7 +104,23 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(t) for t in typing.get_args(tp))
     if tp is type(None):
         return "none"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
+
+
+def _toml_hint(value: Any, tp: Any) -> str:
+    """What to write instead, where a value's type suggests how it was mistyped: values are TOML (a
+    command-line value that is not TOML arrives as a string)."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        return ' (values are TOML: quote a list\'s strings, ["a", "b"], and the override for the shell)'
+    if isinstance(value, str) and _type_ok([value], tp):
+        return f' (a list in TOML: ["{value}"]; quote the override for the shell)'
+    if isinstance(value, str) and any(_type_ok(v, tp) for v in (1, 0.5, True)):
+        return " (values are TOML: numbers as 0.5 or 1e-3, booleans as true or false)"
+    if not isinstance(value, str) and _type_ok("", tp):
+        return f' (values are TOML: a string in quotes, "{value}")'
+    return ""
 
 
 @dataclass(frozen=True)
@@ -134,8 +149,8 @@ class ModelConfig(_Section):
                            ("ff_mult", MAX_DEPTH)):
             if not 1 <= getattr(self, name) <= most:
                 self._fail(name, f"must be between 1 and {most:,}")
-        if self.ngram_buckets < 0:
-            self._fail("ngram_buckets", "must be 0 (off) or a positive number of hash buckets")
+        if not 0 <= self.ngram_buckets <= MAX_VOCAB:
+            self._fail("ngram_buckets", f"must be 0 (off) or a number of hash buckets up to {MAX_VOCAB:,}")
         if not 1 <= self.ngram_order <= 8:
             self._fail("ngram_order", "must be between 1 (unigrams only) and 8")
         if not (self.ngram_lr_scale > 0 and math.isfinite(self.ngram_lr_scale)):
@@ -305,8 +320,8 @@ class PretrainConfig(_Section):
             self._fail("splits", "must name at least one split, and never test (it is kept for the final report)")
         if self.val_texts < 1:
             self._fail("val_texts", "must be at least 1")
-        if self.generator_layers < 1:
-            self._fail("generator_layers", "must be at least 1")
+        if not 1 <= self.generator_layers <= MAX_DEPTH:
+            self._fail("generator_layers", f"must be between 1 and {MAX_DEPTH:,}")
         if not self.detection_weight > 0:
             self._fail("detection_weight", "must be positive")
         if self.shard_texts < 1:
@@ -427,7 +442,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 def with_local_paths(d: dict[str, Any]) -> dict[str, Any]:
     """`data.source` (a folder, a file, or SPLIT=FILE pairs) and `data.pseudo_labels` made absolute where
     they name something on this machine, so that a run's config.json finds its data from any folder:
-    read from elsewhere, a relative folder name such as `reviews` would be taken for a Hub id."""
+    read from elsewhere, a relative folder name such as `reviews` would be taken for a Hub id. A `~` in
+    `train.output_dir` is the home folder, as in the data's paths (a shell leaves `train.output_dir=~/x` as is)."""
+    train = d.get("train")
+    if isinstance(train, dict) and isinstance(train.get("output_dir"), str) and train["output_dir"].startswith("~"):
+        d = {**d, "train": {**train, "output_dir": str(Path(train["output_dir"]).expanduser())}}
     data = d.get("data")
     if not isinstance(data, dict):
         return d

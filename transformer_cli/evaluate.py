@@ -75,6 +75,7 @@ def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = No
         return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     s = lengths[order]
     n = len(s)
+    batch_size = min(batch_size, max(n, 1))  # no batch has more rows than there are: the work is O(n), not O(batch_size)
     cost = np.zeros(n + 1)  # cost[j]: of the best plan for the j shortest rows
     start = np.zeros(n + 1, dtype=np.int64)  # where that plan's last batch starts
     rows = np.arange(1, batch_size + 1)
