@@ -230,14 +230,30 @@ def test_a_test_split_without_labels_does_not_stop_self_training(tmp_path):
 
 @pytest.mark.parametrize(("rows", "message"), [
     ([{"text": "a review", "label": "maybe", "score": 0.9}], "label 'maybe'"),
-    ([{"text": "a review", "label": "pos", "score": 1.5}], "scores outside [0, 1]"),
+    ([{"text": "a review", "label": "pos", "score": 1.5}], "scores that are not numbers in [0, 1]"),
+    ([{"text": "a review", "label": "pos", "score": "high"}], "scores that are not numbers in [0, 1]"),
+    ([{"text": "a review", "label": "pos", "score": 0.95}, {"text": "b", "label": "neg", "score": True}],
+     "scores that are not numbers in [0, 1]"),
     ([{"text": "a review", "label": "pos"}], "no column 'score'"),
+    ([{"review": "a review", "label": "pos", "score": 0.95}], "no column 'text' (columns: review, label, score); a "
+                                                              "pseudo-label file holds text, label and score"),
     ([{"text": "a review", "label": "pos", "score": 0.8}], "keeps none of the reviews"),
 ])
 def test_a_bad_pseudo_label_file_is_refused(synthetic_data_dir, tmp_path, rows, message):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    with pytest.raises(TfmError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(TfmError, match=re.escape(message)):
         prepare_train_data(pseudo_cfg(synthetic_data_dir, path, pseudo_min_score=0.9), seed=0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_json_file_that_is_not_utf8_is_named_with_its_first_bad_byte(tmp_path, suffix):
+    from transformer_cli.data import open_dataset_files
+
+    path = tmp_path / f"reviews{suffix}"
+    path.write_bytes(b'{"text": "great", "label": 1}\n{"text": "caf\xe9 awful", "label": 0}\n')
+    with pytest.raises(TfmError, match=rf"^could not read {re.escape(str(path))}: byte 0xe9 at offset 43 is not "
+                                       "UTF-8; save the file as UTF-8$"):
+        open_dataset_files({"train": str(path)})
 
 
 def test_train_on_pseudo_labels_through_the_cli(trained_dir, synthetic_data_dir, unlabelled, tmp_path):

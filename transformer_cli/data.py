@@ -7,6 +7,7 @@ Heavy libraries (`datasets`) are imported only where a dataset is actually loade
 
 from __future__ import annotations
 
+import codecs
 import csv
 import functools
 import hashlib
@@ -197,6 +198,9 @@ def open_dataset_files(files: dict[str, str]):
     if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
         raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(files.values())}")
     suffix = next(iter(suffixes))
+    if suffix in (".json", ".jsonl"):  # pyarrow's JSON reader keeps bad bytes, which fail later, unnamed
+        for f in files.values():
+            check_utf8(Path(f))
     kwargs = {}
     if suffix in (".csv", ".tsv"):  # cells such as "NA" or "None" stay text, not missing values
         kwargs["keep_default_na"] = False
@@ -210,6 +214,23 @@ def open_dataset_files(files: dict[str, str]):
         if "codec can't decode" in cause:
             hint = "; save the file as UTF-8"
         raise TfmError(f"could not read {', '.join(files.values())}: {cause}{hint}") from None
+
+
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """A TfmError naming `path` and the first byte that is not UTF-8, read a chunk at a time."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(chunk)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:  # e.object: the bytes a previous chunk left pending, then `data`
+                at = offset - (len(e.object) - len(data)) + e.start
+                raise TfmError(f"could not read {path}: byte 0x{e.object[e.start]:02x} at offset {at:,} is not "
+                               "UTF-8; save the file as UTF-8") from None
+            if not data:
+                return
+            offset += len(data)
 
 
 def refuse_empty_files(files: Iterable[str | Path]) -> None:
@@ -860,11 +881,16 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
     if Path(path).suffix.lower() not in (".jsonl", ".json"):
         raise UsageError(f"data.pseudo_labels = '{path}': expected the .jsonl file that `tfm pseudo-label` writes")
     d = open_dataset_files({"train": path})["train"]
-    if "score" not in d.column_names:
-        raise TfmError(f"'{path}' has no column 'score' (columns: {', '.join(d.column_names)}); "
+    missing = [c for c in ("text", "label", "score") if c not in d.column_names]
+    if missing:
+        raise TfmError(f"'{path}' has no column {' or '.join(repr(c) for c in missing)} (columns: "
+                       f"{', '.join(d.column_names)}); a pseudo-label file holds text, label and score: "
                        "write it with `tfm pseudo-label`")
     rows, _ = _one_split(d, replace(cfg, text_column="text", label_column="label"), "train", path, label_names)
-    scores = np.asarray(d["score"], dtype=np.float64)
+    # a score that is not a number (a string, a list, true) becomes NaN, which the check refuses
+    scores = np.asarray([s if type(s) in (int, float) else None for s in d["score"]], dtype=np.float64)
+    if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
+        raise TfmError(f"'{path}' has scores that are not numbers in [0, 1]; write it with `tfm pseudo-label`")
     if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
         raise TfmError(f"'{path}' has scores outside [0, 1]; write it with `tfm pseudo-label`")
     seen, keep = set(known), []
