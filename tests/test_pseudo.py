@@ -235,8 +235,8 @@ def test_a_test_split_without_labels_does_not_stop_self_training(tmp_path):
     ([{"text": "a review", "label": "pos", "score": 0.95}, {"text": "b", "label": "neg", "score": True}],
      "scores that are not numbers in [0, 1]"),
     ([{"text": "a review", "label": "pos"}], "no column 'score'"),
-    ([{"review": "a review", "label": "pos", "score": 0.95}], "no column 'text' (columns: review, label, score); a "
-                                                              "pseudo-label file holds text, label and score"),
+    ([{"review": "a review", "label": "pos", "score": 0.95}],
+     "no column 'text' (columns: review, label, score); a pseudo-label file holds text, label and score"),
     ([{"text": "a review", "label": "pos", "score": 0.8}], "keeps none of the reviews"),
 ])
 def test_a_bad_pseudo_label_file_is_refused(synthetic_data_dir, tmp_path, rows, message):
