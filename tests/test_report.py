@@ -97,6 +97,27 @@ def test_label_names_are_drawn_as_they_are(tmp_path, names):
     assert [t._preprocess_math(t.get_text())[0].split(" (AP")[0] for t in legend] == names
 
 
+def test_every_class_is_in_the_legend_and_long_names_are_cut_and_tilted():
+    """fastText-style names (`__label__pos`) start with "_", which a legend would leave out; long names
+    are cut to LONGEST_NAME characters and tilted, in a figure wide enough to hold them."""
+    import warnings
+
+    metrics, probs, labels, _ = three_class_outputs()
+    names = ["__label__neg", "__label__pos", "_other"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "No artists with labels found to put in legend"
+        legend = report.pr_figure(probs, labels, names).axes[0].get_legend().get_texts()
+    assert [t.get_text().split(" (AP")[0] for t in legend] == names
+    long = ["a review that is neither here nor there but mixed", "very negative", "very positive"]
+    fig = report.confusion_figure(np.asarray(metrics["confusion_matrix"]), long)
+    shown = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert shown[0] == long[0][: report.LONGEST_NAME - 1] + "\u2026" and shown[1:] == long[1:]
+    assert all(t.get_rotation() == 45 for t in fig.axes[0].get_xticklabels())
+    short_fig = report.confusion_figure(np.asarray(metrics["confusion_matrix"]), ["a", "b", "c"])
+    assert fig.get_size_inches()[0] > short_fig.get_size_inches()[0]
+    assert all(t.get_rotation() == 0 for t in short_fig.axes[0].get_xticklabels())
+
+
 def test_pr_curve_against_thresholds_one_by_one():
     rng = np.random.default_rng(1)
     scores = rng.choice([0.1, 0.3, 0.5, 0.7, 0.9], 200)  # ties

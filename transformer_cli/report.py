@@ -99,6 +99,14 @@ def plain(text: str) -> str:
     return text.replace("$", r"\$")
 
 
+LONGEST_NAME = 30  # characters of a class name drawn on an axis; longer ones are cut, with an ellipsis
+
+
+def short(name: str) -> str:
+    """A class name cut to LONGEST_NAME characters, as pictures show it (still to be made `plain`)."""
+    return name if len(name) <= LONGEST_NAME else name[: LONGEST_NAME - 1] + "\u2026"
+
+
 def new_figure(width: float = 5.0, height: float = 4.0):
     from matplotlib.figure import Figure
 
@@ -122,8 +130,11 @@ def rgb_array(fig) -> np.ndarray:
 
 def confusion_figure(confusion: np.ndarray, names: list[str]):
     """Counts, rows the true label and columns the predicted one, shaded by each row's share."""
-    k = len(names)
-    fig = new_figure(1.5 + 0.6 * max(k, 3), 1.2 + 0.6 * max(k, 3))
+    k, shown = len(names), [plain(short(n)) for n in names]
+    longest = max(len(n) for n in shown)
+    tilt = k > 4 or longest > 8  # side by side, longer names would run into each other
+    margin = 0.07 * longest  # inches the names take beside (and, tilted, below) the matrix
+    fig = new_figure(1.5 + margin + 0.6 * max(k, 3), 1.2 + (margin if tilt else 0) + 0.6 * max(k, 3))
     ax = fig.add_subplot()
     share = confusion / np.maximum(confusion.sum(axis=1, keepdims=True), 1)
     ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
@@ -131,8 +142,8 @@ def confusion_figure(confusion: np.ndarray, names: list[str]):
         for j in range(k):
             ax.text(j, i, f"{int(confusion[i, j])}", ha="center", va="center",
                     color="white" if share[i, j] > 0.5 else "black")
-    ax.set_xticks(range(k), [plain(n) for n in names], rotation=45 if k > 4 else 0)
-    ax.set_yticks(range(k), [plain(n) for n in names])
+    ax.set_xticks(range(k), shown, rotation=45 if tilt else 0, ha="right" if tilt else "center")
+    ax.set_yticks(range(k), shown)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title("Confusion matrix")
@@ -180,18 +191,21 @@ def pr_figure(probs: np.ndarray, labels: np.ndarray, names: list[str]):
     with no example has no curve, only its legend entry."""
     fig = new_figure()
     ax = fig.add_subplot()
+    lines, texts = [], []  # given to the legend, which would leave out a name that starts with "_" (__label__pos)
     for c, name in enumerate(names):
         precision, recall, ap = pr_curve(probs[:, c], labels == c)
         if ap is None:
-            ax.plot([], [], label=f"{plain(name)} (AP n/a, no examples)")
+            lines += ax.plot([], [])
+            texts.append(f"{plain(short(name))} (AP n/a, no examples)")
         else:
-            ax.plot(np.r_[0.0, recall], np.r_[1.0, precision], label=f"{plain(name)} (AP {ap:.3f})")
+            lines += ax.plot(np.r_[0.0, recall], np.r_[1.0, precision])
+            texts.append(f"{plain(short(name))} (AP {ap:.3f})")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("recall")
     ax.set_ylabel("precision")
     ax.set_title("Precision-recall, each class against the rest")
-    ax.legend(loc="lower left")
+    ax.legend(lines, texts, loc="lower left")
     return fig
 
 

@@ -19,7 +19,7 @@ from transformer_cli.calibration import softmax
 from transformer_cli.data import Encoded
 from transformer_cli.explain import cut_positions, shown_text
 from transformer_cli.model import explicit_attention
-from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array
+from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array, short
 
 WRONG_SHOWN = 10  # reviews in the confidently-wrong panel
 TEXT_CHARS = 300  # of each review shown there
@@ -130,7 +130,7 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     with torch.no_grad():
         p = (model.eval()(ids, mask).float() / temperature).softmax(-1)[0].cpu()
     tokens = [tokenizer.id_to_token(int(t)) or "?" for t in ids_np]
-    title = f"true {names[enc.labels[i]]}, predicted {names[int(p.argmax())]} ({float(p.max()):.3f})"
+    title = f"true {short(names[enc.labels[i]])}, predicted {short(names[int(p.argmax())])} ({float(p.max()):.3f})"
     if len(ids_np) < enc.lengths[i]:  # the prediction is of the tokens drawn, not of the whole review
         title += f" from its first {len(ids_np)} of {enc.lengths[i]} tokens"
     writer.add_image("val/attention", rgb_array(attention_figure(maps, tokens, title)), step, dataformats="HWC")
@@ -142,7 +142,7 @@ def attention_figure(maps: list[np.ndarray], tokens: list[str], title: str):
     cols = min(n, 3)
     rows = -(-n // cols)
     fig = new_figure(cols * size + 0.5, rows * size + 0.6)
-    fig.suptitle(f"Attention, heads averaged: {plain(title)}")
+    fig.suptitle(f"Attention, heads averaged: {plain(title)}", wrap=True)
     for layer, att in enumerate(maps):
         ax = fig.add_subplot(rows, cols, layer + 1)
         ax.imshow(att, cmap="viridis", vmin=0)
