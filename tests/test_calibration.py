@@ -90,7 +90,9 @@ def test_calibration_lowers_the_ece_of_overconfident_logits():
 def test_temperature_of_a_config():
     assert temperature_of({"labels": ["neg", "pos"]}) == 1.0  # saved before calibration existed
     assert temperature_of({"calibration": {"temperature": 2}}) == 2.0
-    for bad in (0, -1.0, float("nan"), "2", True, None):
+    assert temperature_of({"calibration": {"temperature": 0.01}}) == 0.01  # the fit's bounds
+    assert temperature_of({"calibration": {"temperature": 100}}) == 100.0
+    for bad in (0, -1.0, float("nan"), "2", True, None, 1e-40, 0.0099, 100.5, float("inf")):
         with pytest.raises(TfmError, match="invalid calibration temperature"):
             temperature_of({"calibration": {"temperature": bad}})
 

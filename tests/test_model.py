@@ -555,6 +555,27 @@ def test_with_lazy_embeddings_only_the_rows_of_kept_tokens_get_a_gradient():
     assert len(set(ids[mask].tolist()) | {PAD_ID}) > len(rows)
 
 
+@pytest.mark.parametrize("binary", [True, False])
+def test_sparse_ngram_gradients_name_only_the_rows_of_real_ngrams(binary):
+    """With sparse gradients every row looked up counts as used (LazyAdamW moves it): n-grams that run
+    into the padding must look up [PAD]'s row, not the bucket their hash gives."""
+    vocab, buckets, order = 50, 1000, 3
+    bag = NgramBag(vocab, buckets, 2, order=order, binary=binary, sparse=True)
+    ids = torch.tensor([[2, 11, 12, 13, 0, 0, 0, 0], [2, 21, 22, 23, 24, 25, 26, 27]])
+    bag(ids, ids != PAD_ID).sum().backward()
+    real = set()
+    for row in ids.tolist():
+        tokens = [t for t in row if t != PAD_ID]
+        for n in range(1, order + 1):
+            for i in range(len(tokens) - n + 1):
+                h = tokens[i]
+                for t in tokens[i + 1 : i + n]:
+                    h = (h * 1_000_003 + t) % buckets
+                real.add(h if n == 1 else vocab + h)
+    rows = set(bag.table.weight.grad.coalesce().indices()[0].tolist())
+    assert rows - {PAD_ID} == real
+
+
 def test_token_dropout_rate():
     torch.manual_seed(0)
     mask = torch.ones(64, 512, dtype=torch.bool)

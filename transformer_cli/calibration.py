@@ -119,9 +119,10 @@ def temperature_of(meta: dict, where: str = "config.json") -> float:
     if cal is None:
         return 1.0
     t = cal.get("temperature") if isinstance(cal, dict) else None
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-        raise TfmError(f"'{where}' has an invalid calibration temperature {t!r} (expected a number > 0); "
-                       f"delete its \"{CONFIG_KEY}\" entry to use the model uncalibrated")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not T_RANGE[0] <= t <= T_RANGE[1]:  # NaN too
+        raise TfmError(f"'{where}' has an invalid calibration temperature {t!r} (expected a number in "
+                       f"[{T_RANGE[0]:g}, {T_RANGE[1]:g}], as calibration fits it); delete its \"{CONFIG_KEY}\" "
+                       "entry to use the model uncalibrated")
     return float(t)
 
 

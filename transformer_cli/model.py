@@ -270,6 +270,9 @@ class NgramBag(nn.Module):
             keep = grams >= 0
             keep[:, 1:] &= grams[:, 1:] != grams[:, :-1]
             grams = grams.clamp(min=0)
+        # n-grams that reach into padding look up [PAD]'s row, never a real one: with sparse gradients (LazyAdamW)
+        # a row that is looked up counts as used, and its moments would move it
+        grams = grams.masked_fill(~keep, PAD_ID)
         scores = self.table(grams) * keep.unsqueeze(-1)  # (B, G, num_labels)
         return scores.sum(dim=1) / keep.sum(dim=1, keepdim=True).sqrt().to(scores.dtype)
 
