@@ -68,6 +68,22 @@ def test_evaluate_other_data_and_subsets(trained_dir, test_rows, tmp_path):
     assert evaluate_checkpoint(trained_dir, device="cpu", max_samples=17)["num_examples"] == 17
 
 
+def test_evaluate_data_whose_columns_are_named_otherwise(trained_dir, test_rows, tmp_path):
+    from test_cli import assert_fails_cleanly, tfm
+
+    same = evaluate_checkpoint(trained_dir, data=str(write_jsonl(tmp_path / "a.jsonl", test_rows[:30])), split="train",
+                               device="cpu")
+    renamed = write_jsonl(tmp_path / "b.jsonl", [{"review": r["text"], "sentiment": r["label"]} for r in test_rows[:30]])
+    assert_fails_cleanly(tfm("evaluate", "-c", trained_dir, "--data", renamed, "--split", "train"), 1,
+                         "no column 'text' or 'label'", "--text-column / --label-column")
+    result = tfm("evaluate", "-c", trained_dir, "--data", renamed, "--split", "train", "--device", "cpu", "--json",
+                 "--text-column", "review", "--label-column", "sentiment")
+    assert result.exit_code == 0, result.stderr
+    m = json.loads(result.stdout)
+    assert (m["accuracy"], m["confusion_matrix"], m["num_examples"]) == (
+        same["accuracy"], same["confusion_matrix"], 30)
+
+
 def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, test_predictions):
     for p in test_predictions:
         assert sum(p["probabilities"].values()) == pytest.approx(1.0)

@@ -402,6 +402,10 @@ def evaluate(
     report: Annotated[Path | None, typer.Option(
         help="Write plots (confusion matrix, reliability, PR curves, accuracy by length) and report.html here.",
         show_default=False)] = None,
+    text_column: Annotated[str | None, typer.Option(
+        help="The data's column of texts; default: the run's data.text_column.", show_default=False)] = None,
+    label_column: Annotated[str | None, typer.Option(
+        help="The data's column of labels; default: the run's data.label_column.", show_default=False)] = None,
 ) -> None:
     """Accuracy, macro-F1, loss, calibration error (ECE), each class's precision, recall and F1, and the
     confusion matrix of a trained model on a split."""
@@ -411,7 +415,8 @@ def evaluate(
         check_report_dir(report)  # before the evaluation's minutes
     from transformer_cli.evaluate import evaluate_checkpoint  # imports torch
 
-    m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision, report)
+    m = evaluate_checkpoint(checkpoint, data, split, max_samples, device, batch_size, precision, report, text_column,
+                            label_column)
     if as_json:
         typer.echo(json.dumps(m))
         return

@@ -349,7 +349,8 @@ def _one_split(d, cfg: DataConfig, split: str, name: str,
     if missing:
         raise TfmError(
             f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
-            f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column"
+            f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column (tfm evaluate: "
+            "--text-column / --label-column)"
         )
     feature = d.features[cfg.label_column]
     class_names = list(feature.names) if hasattr(feature, "names") else None  # a datasets ClassLabel

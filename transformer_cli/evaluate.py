@@ -348,13 +348,17 @@ def predict_loaded(loaded: Loaded, texts: list[str], batch_size: int = 64) -> li
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",
                         max_samples: int | None = None, device: str = "auto", batch_size: int | None = None,
-                        precision: str | None = None, report: str | Path | None = None) -> dict:
-    """Metrics of a saved model on a split of its dataset (or of `data`), its logits divided by its
-    calibration temperature. Split "validation" is what the run validated on (data.train_val_splits,
-    with its seed): the split its best model was chosen on. `report`: a folder for report.write_report's
-    plots and report.html."""
+                        precision: str | None = None, report: str | Path | None = None,
+                        text_column: str | None = None, label_column: str | None = None) -> dict:
+    """Metrics of a saved model on a split of its dataset (or of `data`, whose columns may be named
+    otherwise than the run's: `text_column`, `label_column`), its logits divided by its calibration
+    temperature. Split "validation" is what the run validated on (data.train_val_splits, with its seed):
+    the split its best model was chosen on. `report`: a folder for report.write_report's plots and report.html."""
     rt, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, precision)
     src = cfg.data.source
+    columns = {k: v for k, v in (("text_column", text_column), ("label_column", label_column)) if v is not None}
+    if columns:
+        cfg = cfg.replace(data=columns)
     if data is not None:
         cfg = cfg.replace(data={"source": data})
     elif any(not Path(f).is_absolute() and not Path(f).exists() for f in local_paths(src)):
