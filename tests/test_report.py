@@ -81,6 +81,31 @@ def test_report_of_three_classes(tmp_path):
     assert page.by_id["temperature"] == "1.2500"
 
 
+def test_a_report_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """The pictures and page belong together: a failure while writing them replaces none of the earlier
+    report's files (they would describe two evaluations), and leaves no temporary file."""
+    from transformer_cli import fileio
+
+    metrics, probs, labels, lengths = three_class_outputs()
+    folder = tmp_path / "rep"
+    report.write_report(folder, metrics, probs, labels, lengths)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    real, opened = open, []
+
+    def full_disk_at_the_third_file(path, mode="r", *args, **kwargs):
+        if "w" in mode and str(path).startswith(str(folder)):
+            opened.append(path)
+            if len(opened) == 3:
+                raise OSError(28, "No space left on device")
+        return real(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(fileio, "open", full_disk_at_the_third_file, raising=False)
+    metrics["accuracy"] = 0.123
+    with pytest.raises(OSError):
+        report.write_report(folder, metrics, probs[::-1].copy(), labels, lengths)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 @pytest.mark.parametrize("names", [["$", "$$", "$$$"], ["$0-$10", "$10-$20", r"$\alpha$"]])
 def test_label_names_are_drawn_as_they_are(tmp_path, names):
     """Dollar signs are no math: price levels "$", "$$", "$$$" are labels that matplotlib's mathtext

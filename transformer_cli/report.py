@@ -18,7 +18,7 @@ import numpy as np
 
 from transformer_cli.calibration import BINS, expected_calibration_error, reliability
 from transformer_cli.errors import TfmError
-from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, check_output_path
+from transformer_cli.fileio import atomic_write_together, check_output_path
 
 REPORT_FILE = "report.html"
 PICTURES = {  # file -> caption, in the report's order
@@ -58,9 +58,9 @@ def write_report(folder: str | Path, metrics: dict, probs: np.ndarray, labels: n
         "pr_curve.png": pr_figure(probs, labels, names),
         "accuracy_by_length.png": length_figure(probs, labels, lengths),
     }
-    for name, fig in figures.items():
-        atomic_write_bytes(folder / name, png_bytes(fig))
-    atomic_write_text(folder / REPORT_FILE, report_html(metrics))
+    files = {folder / name: png_bytes(fig) for name, fig in figures.items()}
+    files[folder / REPORT_FILE] = report_html(metrics).encode("utf-8")
+    atomic_write_together(files)  # a report of one evaluation: an earlier one's pictures never mix in
     return folder / REPORT_FILE
 
 
