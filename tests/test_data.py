@@ -101,6 +101,83 @@ def test_block_split_holds_out_whole_runs_of_consecutive_examples_of_a_label():
     assert not np.array_equal(val, other_seed)
 
 
+def test_a_block_split_that_must_hold_out_less_than_a_run_takes_the_shortest():
+    """251 examples of a class in runs of 250: 10% is less than one run, so validation gets the run of
+    one, not the one of 250 (which would leave a single example to train on)."""
+    labels = np.array([0] * 251 + [1] * 251)
+    for seed in range(5):
+        _, val = stratified_split(labels, 0.1, seed=seed, block=250)
+        assert Counter(labels[val].tolist()) == {0: 1, 1: 1}
+        assert sorted(val.tolist()) == [250, 501]  # each class's remainder
+
+
+def test_a_block_split_that_would_hold_out_most_of_a_class_is_refused(tmp_path):
+    """60 reviews a class in runs of 50 at val_size 0.3: one whole run is held out, by the seed the run
+    of 10 (kept) or the run of 50 (most of the class: refused)."""
+    rows = sorted(make_examples(120, seed=0), key=lambda r: r["label"])
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    assert Counter(r["label"] for r in rows) == {0: 60, 1: 60}
+    cfg = DataConfig(source=str(path), vocab_size=200, max_length=32, val_size=0.3, val_block=50)
+    refused = 0
+    for seed in range(12):
+        try:
+            _, val, _, _ = train_val_splits(cfg, seed=seed)
+        except UsageError as e:
+            assert re.fullmatch(r"data.val_block = 50 holds out 50 of the 60 examples of class '(neg|pos)' for "
+                                r"validation; lower data.val_block or add examples", str(e))
+            refused += 1
+        else:
+            assert Counter(val.labels.tolist()) == {0: 10, 1: 10}
+    assert 0 < refused < 12
+
+
+@pytest.mark.parametrize("suffix", [".tsv", ".csv"])
+def test_a_folder_of_csv_or_tsv_files_reads_them_as_the_files_named_alone(tmp_path, suffix):
+    """A TSV review may open with '"' (no quoting), and a CSV cell "NA" is text, in a folder too."""
+    sep = "\t" if suffix == ".tsv" else ","
+    first = '"Wow, what a film.' if suffix == ".tsv" else "NA"
+    lines = ["text" + sep + "label", first + sep + "1", "bad one" + sep + "0", 'the acting" fine' + sep + "1"]
+    folder = tmp_path / "reviews"
+    folder.mkdir()
+    (folder / f"train{suffix}").write_text("\n".join(lines) + "\n")
+    for source in (str(folder), str(folder / f"train{suffix}")):
+        d = data_mod.open_text_source(source)["train"]
+        assert d["text"] == [first, "bad one", 'the acting" fine'], source
+
+
+def test_a_folder_with_two_files_for_a_split_is_refused(tmp_path):
+    folder = tmp_path / "reviews"
+    (folder / "old").mkdir(parents=True)
+    rows = make_examples(20, seed=0)
+    for name in ("train.jsonl", "train_backup.jsonl", "old/train.jsonl"):
+        write_jsonl(folder / name, rows)
+    with pytest.raises(UsageError, match=r"has 3 files that `datasets` would join as split 'train': .*name them"):
+        data_mod.open_dataset(str(folder))
+    (folder / "train_backup.jsonl").unlink()
+    (folder / "old" / "train.jsonl").unlink()
+    assert len(data_mod.open_dataset(str(folder))["train"]) == 20
+
+
+def test_a_named_split_training_would_not_read_is_refused(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", make_examples(40, seed=0))
+    dev = write_jsonl(tmp_path / "dev.jsonl", make_examples(20, seed=1))
+    cfg = DataConfig(source=f"train={train},dev={dev}", vocab_size=200, max_length=32)
+    with pytest.raises(UsageError, match=r"names split 'dev', which training does not read.*validation=FILE, or set "
+                                         r'data.val_split = "dev"'):
+        train_val_splits(cfg, seed=0)
+    assert len(train_val_splits(dataclasses.replace(cfg, val_split="dev"), seed=0)[1].texts) == 20
+    test = write_jsonl(tmp_path / "test.jsonl", make_examples(20, seed=2))  # test is read later, by evaluate
+    assert train_val_splits(dataclasses.replace(cfg, source=f"train={train},test={test}"), seed=0)[3] == ""
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_an_empty_review_in_a_labelled_split_is_refused_with_its_row(tmp_path, text):
+    path = tmp_path / "train.csv"
+    path.write_text(f"text,label\ngreat film,1\n{text},0\nawful,0\n")
+    with pytest.raises(TfmError, match=r"has an empty or non-text value in column 'text' \(row 2\)"):
+        load_splits(DataConfig(source=str(path)), ("train",))
+
+
 # --------------------------------------------------------------------------- truncation and encoding
 
 

@@ -38,6 +38,7 @@ VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on 
 DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 MANY_CLASSES = 100  # beyond this, a label column with more classes than half its examples is no label column
+UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews: what `tfm pseudo-label` labels
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
                  ".txt": "text"}  # .txt: one text per line, in a column "text" (`tfm pretrain` skips blank lines)
 
@@ -147,6 +148,10 @@ def open_dataset(source: str):
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
     datasets.disable_progress_bars()
+    if Path(source).is_dir():
+        files = folder_files(source)
+        if files is not None and {Path(f).suffix.lower() for fs in files.values() for f in fs} in ({".csv"}, {".tsv"}):
+            return open_dataset_files(files)  # read as the same file named alone is read
     try:
         # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         return datasets.load_dataset(source, trust_remote_code=False)
@@ -157,6 +162,32 @@ def open_dataset(source: str):
         refuse_empty_files(source_files(source))  # datasets says only that a split "corresponds to no data"
         raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); check its data files (one per "
                        "split, e.g. train.csv and test.csv)") from None
+
+
+SHARD = re.compile(r".*-\d{5}-of-\d{5}$")  # train-00000-of-00003.parquet: one split's files, as the Hub writes them
+
+
+def folder_files(source: str) -> dict[str, list[str]] | None:
+    """{split: files} of a Hub-layout folder as `datasets` finds them (None if it cannot tell). Without a
+    README.md whose configs: section lists them, a split of several files that are not one shard series
+    (train.jsonl beside train_backup.jsonl or old/train.jsonl, which `datasets` would join) is refused."""
+    import datasets
+
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        found = datasets.load_dataset_builder(source).config.data_files or {}  # a folder: no loading script
+    except Exception:  # noqa: BLE001 (open_dataset says what is wrong with the folder)
+        return None
+    files = {str(split): [str(f) for f in split_files] for split, split_files in found.items()}
+    readme = Path(source) / "README.md"
+    if readme.is_file() and "configs:" in readme.read_text(encoding="utf-8", errors="replace"):
+        return files  # the folder says which files each split has
+    for split, split_files in files.items():
+        if len(split_files) > 1 and not all(SHARD.match(Path(f).name.split(".")[0]) for f in split_files):
+            raise UsageError(f"data folder '{source}' has {len(split_files)} files that `datasets` would join as "
+                             f"split '{split}': {', '.join(split_files)}; keep one file a split, or name them "
+                             f"(--data {split}=FILE,...)")
+    return files
 
 
 def unread_split_hint(source: str, missing: Iterable[str], others: Iterable[str] = ()) -> str:
@@ -185,21 +216,23 @@ def unread_split_hint(source: str, missing: Iterable[str], others: Iterable[str]
             "add a README.md whose configs: section lists the splits and their files, as IMDB's has")
 
 
-def open_dataset_files(files: dict[str, str]):
-    """The `datasets.DatasetDict` of data files, one per split name, all of one type (FILE_BUILDERS)."""
+def open_dataset_files(files: dict[str, str] | dict[str, list[str]]):
+    """The `datasets.DatasetDict` of data files, a file (or a list of a split's shards) per split name, all
+    of one type (FILE_BUILDERS)."""
     import datasets
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
-    suffixes = {Path(f).suffix.lower() for f in files.values()}
-    for f in files.values():
+    every = [f for fs in files.values() for f in ([fs] if isinstance(fs, str) else fs)]
+    suffixes = {Path(f).suffix.lower() for f in every}
+    for f in every:
         if not Path(f).is_file():
             raise UsageError(f"data file '{f}' does not exist")
     if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
-        raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(files.values())}")
+        raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(every)}")
     suffix = next(iter(suffixes))
     if suffix in (".json", ".jsonl"):  # pyarrow's JSON reader keeps bad bytes, which fail later, unnamed
-        for f in files.values():
+        for f in every:
             check_utf8(Path(f))
     kwargs = {}
     if suffix in (".csv", ".tsv"):  # cells such as "NA" or "None" stay text, not missing values
@@ -209,11 +242,11 @@ def open_dataset_files(files: dict[str, str]):
     try:
         return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
-        refuse_empty_files(files.values())  # datasets says "corresponds to no data", or "StopIteration"
+        refuse_empty_files(every)  # datasets says "corresponds to no data", or "StopIteration"
         cause, hint = cause_line(e), ""
         if "codec can't decode" in cause:
             hint = "; save the file as UTF-8"
-        raise TfmError(f"could not read {', '.join(files.values())}: {cause}{hint}") from None
+        raise TfmError(f"could not read {', '.join(every)}: {cause}{hint}") from None
 
 
 def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
@@ -277,12 +310,8 @@ def source_files(source: str) -> list[Path]:
         return [Path(f) for f in files.values()]
     if not Path(source).is_dir():
         return []
-    import datasets
-
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        found = datasets.load_dataset_builder(source).config.data_files or {}
-    except Exception:  # noqa: BLE001 (open_text_source says what is wrong with the folder)
+    found = folder_files(source)
+    if found is None:  # open_text_source says what is wrong with the folder
         return [p for p in Path(source).rglob("*") if p.is_file()]
     return [Path(f) for split_files in found.values() for f in split_files]
 
@@ -356,8 +385,10 @@ def _one_split(d, cfg: DataConfig, split: str, name: str,
     class_names = list(feature.names) if hasattr(feature, "names") else None  # a datasets ClassLabel
     columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
     texts = columns[cfg.text_column]
-    if any(not isinstance(t, str) for t in texts):
-        raise TfmError(f"split '{split}' of '{name}' has empty or non-text values in column '{cfg.text_column}'")
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()), None)
+    if bad is not None:  # an empty review would train as [CLS] alone, with a label
+        raise TfmError(f"split '{split}' of '{name}' has an empty or non-text value in column '{cfg.text_column}' "
+                       f"(row {bad + 1}); fill it or remove the row")
     labels, label_names = label_ids(columns[cfg.label_column], class_names, label_names, f"split '{split}' of '{name}'")
     return RawSplit(texts, labels), label_names
 
@@ -507,6 +538,9 @@ def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int 
         order = rng.permutation(len(runs))
         n_val = round(len(runs) * val_size)
         if len(runs) >= 2:
+            if n_val < 1:  # val_size asks for less than a run: the shortest (the remainder), nearest to it
+                shortest = order[np.argmin([len(runs[i]) for i in order])]  # the first in `order` of a tie
+                order = np.r_[shortest, order[order != shortest]]
             n_val = min(max(n_val, 1), len(runs) - 1)
         val += [runs[i] for i in order[:n_val]]
         train += [runs[i] for i in order[n_val:]]
@@ -846,6 +880,12 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
         raise TfmError(f"column '{cfg.label_column}' of the train split of '{cfg.source}' has {len(label_names):,} "
                        f"distinct values in {len(full):,} examples; set data.label_column to the column of labels")
     val_split = cfg.val_split if cfg.val_split in raw else ""
+    named = named_files(cfg.source) or {}
+    unread = [split for split in named if split not in ("train", *needed, UNLABELLED_SPLIT, "test")]
+    if not val_split and cfg.val_split and unread:  # e.g. train=a.csv,dev=b.csv: was dev meant to validate?
+        raise UsageError(f"--data names split '{unread[0]}', which training does not read: it validates on split "
+                         f"'{cfg.val_split}' (data.val_split), else on part of train; name the file "
+                         f"{cfg.val_split}=FILE, or set data.val_split = \"{unread[0]}\"")
     if val_split:
         val = raw[val_split]
         if len(val) == 0:
@@ -861,7 +901,12 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
         if len(val_idx) == 0 or len(train_idx) == 0:
             raise TfmError(f"data.val_size = {cfg.val_size} (data.val_block = {cfg.val_block}) leaves an empty train "
                            f"or validation split of {len(full)} examples; change either")
-        val_hint = (f"holding some out of train for validation needs at least {2 * cfg.val_block} of each class "
+        held, total = (np.bincount(full.labels[i], minlength=len(label_names)) for i in (val_idx, np.arange(len(full))))
+        worst = int(np.argmax(held / np.maximum(total, 1)))
+        if held[worst] > max(0.5, 2 * cfg.val_size) * total[worst]:  # whole runs: a small class may lose most of it
+            raise UsageError(f"data.val_block = {cfg.val_block} holds out {held[worst]} of the {total[worst]} examples "
+                             f"of class '{label_names[worst]}' for validation; lower data.val_block or add examples")
+        val_hint = (f"holding some out of train for validation needs at least {cfg.val_block + 1} of each class "
                     f"(data.val_block = {cfg.val_block}); add examples")
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)

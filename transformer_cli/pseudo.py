@@ -20,12 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from transformer_cli.data import open_text_source, sample_indices, source_files, text_chunks, unread_split_hint
+from transformer_cli.data import (
+    UNLABELLED_SPLIT,
+    open_text_source,
+    sample_indices,
+    source_files,
+    text_chunks,
+    unread_split_hint,
+)
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_for_inference, predict_proba
 from transformer_cli.fileio import atomic_writer, check_output_path
 
-UNLABELLED_SPLIT = "unsupervised"  # IMDB's 50,000 unlabelled reviews
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
 CHUNK_TEXTS = 4096  # reviews read, labelled and written at a time: one chunk is in memory, whatever the split's size
 
