@@ -97,6 +97,35 @@ def test_resuming_a_run_that_stopped_early_trains_no_further(early_run, tmp_path
     assert more["steps"] > stop  # more patience (accepted with --force) goes on
 
 
+def test_resuming_a_finished_run_logs_its_end_of_run_figures_once(early_run, tmp_path, synthetic_data_dir):
+    """The calibration, hparam and test figures are written after the last checkpoint: a resume that
+    trains no further must not write them at that step a second time."""
+    import shutil
+
+    out = Path(shutil.copytree(early_run[0], tmp_path / "run"))
+    before = read_scalars(out)
+    assert {"calibration/temperature", "hparam/val_loss"} <= set(before)
+    train(early_cfg(synthetic_data_dir, out), resume=True, progress=False)
+    assert read_scalars(out) == before
+
+
+def test_a_forced_resume_with_another_select_metric_selects_by_it(synthetic_data_dir, tmp_path):
+    """Chosen by accuracy, then resumed choosing by loss: the saved pass's loss is the bar from then on,
+    not its accuracy score (which no negated loss could beat)."""
+    out = tmp_path / "run"
+    kw = {"train__epochs": 4, "train__eval_every": 4}
+    first = train(tiny_config(synthetic_data_dir, out, train__max_steps=24, **kw), progress=False)
+    assert first["select_metric"] == "accuracy"
+    resumed = train(tiny_config(synthetic_data_dir, out, train__select_metric="loss", **kw), resume=True, force=True,
+                    progress=False)
+    losses = dict(read_scalars(out)["val/loss"])
+    later = {step: loss for step, loss in losses.items() if step > 24}
+    best = min([first["val"]["loss"], *later.values()])
+    assert resumed["val"]["loss"] == pytest.approx(best, abs=1e-6)
+    assert resumed["best_step"] == (first["best_step"] if best == first["val"]["loss"] else min(later, key=later.get))
+    assert resumed["best_step"] > 24  # the tiny model's loss keeps falling after step 24: some later pass is better
+
+
 def test_patience_and_select_metric_are_validated():
     assert load_config(None, {"train.patience": 3, "train.select_metric": "macro_f1"}).train.patience == 3
     with pytest.raises(UsageError, match=r"train.patience = -1: must be at least 0 \(0: never stop early\)"):

@@ -597,6 +597,31 @@ def test_the_held_out_figures_do_not_depend_on_the_evaluation_batch_size(synthet
     assert figures[0] == figures[1]
 
 
+def test_electras_held_out_figures_are_means_over_what_each_is_a_mean_of(synthetic_data_dir, tmp_path, monkeypatch):
+    """Over several validation batches, the detector's accuracy and loss (means over a batch's real
+    tokens) pool by real tokens, the generator's figures (means over its masked ones) by masked tokens."""
+    import transformer_cli.pretrain as pretrain_mod
+
+    monkeypatch.setattr(pretrain_mod, "VAL_BATCH", 8)
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__objective="electra", pretrain__val_texts=40)
+    run = pretrain_mod.setup(cfg, make_runtime("cpu", "fp32"))
+    seen, forward = [], run.model.forward
+
+    def spy(ids, mask, picked, targets, *rest):
+        loss, stats = forward(ids, mask, picked, targets, *rest)
+        seen.append(({k: v.item() for k, v in stats.items()}, int(mask.sum()), len(targets)))
+        return loss, stats
+
+    monkeypatch.setattr(run.model, "forward", spy)
+    m, _, _ = run.task.evaluate(run)
+    assert len(seen) >= 5 and len({real for _, real, _ in seen}) > 1
+    for name, over_real in (("accuracy", True), ("detection_loss", True), ("generator_accuracy", False),
+                            ("generator_loss", False)):
+        weights = [real if over_real else masked for _, real, masked in seen]
+        expected = sum(stats[name] * w for (stats, _, _), w in zip(seen, weights)) / sum(weights)
+        assert m[name] == pytest.approx(expected, rel=1e-9), name
+
+
 def test_a_fine_tuned_run_that_lost_its_tokenizer_resumes_with_the_encoders(pretrained, synthetic_data_dir, tmp_path):
     """Not with one trained anew on the fine-tuning data, whose ids would index other embedding rows."""
     out, _ = pretrained

@@ -432,6 +432,12 @@ class Electra(nn.Module):
         self.detector = nn.Linear(cfg.d_model, 1)
         init_weights(self, cfg.n_layers)
 
+    per_token_stats = ("accuracy", "detection_loss")  # means over the real tokens; the others over the masked ones
+
+    def objective_of(self, stats: dict[str, float]) -> float:
+        """The objective of pooled figures (each a mean over what it is a mean of, as forward's are)."""
+        return stats["generator_loss"] + self.detection_weight * stats["detection_loss"]
+
     def generate(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
         """The generator's (N, V) token scores at `picked`."""

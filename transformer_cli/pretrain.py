@@ -290,7 +290,8 @@ class MaskedLanguageModelling:
         model.eval()
         generator = torch.Generator().manual_seed(0)
         sums: dict[str, float] = {}
-        count = 0
+        count = real = 0
+        per_token = getattr(model, "per_token_stats", ())  # ELECTRA's detection figures: means over real tokens
         # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
         # if there had been no validation
         gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
@@ -298,16 +299,18 @@ class MaskedLanguageModelling:
             torch.manual_seed(0)
             try:
                 for idx in batch_plan(self.val.lengths, VAL_BATCH, 16384):
-                    tensors, _ = self._masked(self.val, idx, self.val_starts, generator)
+                    tensors, tokens = self._masked(self.val, idx, self.val_starts, generator)
                     with rt.autocast():
                         loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
-                    n = len(tensors[3])  # weighted by the masked tokens
+                    n = len(tensors[3])  # each batch's means weighted by what they are means over
                     for name, value in {"loss": loss, **stats}.items():
-                        sums[name] = sums.get(name, 0.0) + value.item() * n
-                    count += n
+                        sums[name] = sums.get(name, 0.0) + value.item() * (tokens if name in per_token else n)
+                    count, real = count + n, real + tokens
             finally:
                 model.train(was_training)
-        m = {name: total / count for name, total in sums.items()}
+        m = {name: total / (real if name in per_token else count) for name, total in sums.items()}
+        if per_token:  # its parts pool over different tokens: the objective is of the pooled parts
+            m["loss"] = model.objective_of(m)
         tags = {f"pretrain_val/{k}": v for k, v in m.items()}
         return {**m, "num_predicted": count}, tags, selection_score(m, self.select_metric)
 

@@ -762,7 +762,7 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
     ema = Ema(model, tc.ema_decay) if tc.ema_decay > 0 else None
     state = TrainState()
     if resume_dir is not None:
-        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force)
+        state = _restore(resume_dir, cfg, rt, model, optimizer, scaler, ema, force, task.select_metric)
     if rt.is_main:
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -794,7 +794,7 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
 
 
 def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema: Ema | None,
-             force: bool) -> TrainState:
+             force: bool, select_metric: str) -> TrainState:
     train_json, tensors = ckpt.load_checkpoint(path)
     if not isinstance(train_json, dict) or not {"config", "state", "rng"} <= set(train_json):
         raise TfmError(f"checkpoint state '{path / 'trainer.json'}' is not a tfm checkpoint's (no config, state and "
@@ -822,6 +822,9 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     if any(k.startswith("model.") or k == "train.init_from" for k in changed):
         # The best model so far is another model than config.json will describe: the next validation picks anew.
         state.best_score, state.best_step, state.best_val, state.evals_since_best = -math.inf, -1, {}, 0
+    elif "train.select_metric" in changed and state.best_val:
+        # The best pass by the new metric is unknown: the saved one's score by it is the bar, patience counts anew.
+        state.best_score, state.evals_since_best = selection_score(state.best_val, select_metric), 0
     return state
 
 
@@ -904,7 +907,11 @@ def run_to_end(rt: Runtime, make_run, finish, resume: bool | str, progress: bool
         run = make_run()
         logger = Logger(run.out, rt, purge_step=run.state.step + 1 if resume else None)
         try:
+            start, finished = run.state.step, (run.out / ckpt.METRICS_FILE).is_file()
             fit(run, logger, progress)
+            if resume and finished and run.state.step == start:  # a finished run, resumed: nothing new to log,
+                logger.close()  # and its end-of-run figures and pictures are in its events already
+                logger.writer = None
             return finish(run, logger)
         finally:
             logger.close()
