@@ -4,25 +4,32 @@ checks and JSON (never its speed)."""
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, make_examples, make_review, write_jsonl
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 
-def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, synthetic_data_dir, tmp_path):
-    out = tmp_path / "load.json"
+def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, tmp_path):
+    out, data = tmp_path / "load.json", tmp_path / "reviews"
+    rng = random.Random(0)  # 30 short reviews and, for (c), 10 of about 200 words
+    data.mkdir()
+    write_jsonl(data / "test.jsonl", make_examples(30, seed=5) + [
+        {"text": make_review(rng, i % 2, n_words=195), "label": i % 2} for i in range(10)])
     # -c and --data relative to the folder it runs in (the server runs in the repository)
     cmd = [sys.executable, str(REPO / "scripts" / "loadtest_serve.py"), "-c", os.path.relpath(trained_dir, tmp_path),
-           "--data", os.path.relpath(synthetic_data_dir, tmp_path), "--texts", "40", "--requests", "30", "--concurrency", "1,4",
+           "--data", os.path.relpath(data, tmp_path), "--texts", "40", "--requests", "30", "--concurrency", "1,4",
            "--texts-per-request", "2", "--latency-requests", "5", "--malformed", "27", "--json", str(out)]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
+    latency = result["latency_200_words"]
+    assert latency["reviews"] == 10 and 190 <= latency["mean_words"] <= 210 and latency["requests"] == 5
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
     assert all(lv["requests"] == 30 and lv["reviews"] == 60 and lv["good_failed"] == 0 for lv in result["levels"])
     assert all(lv["server_cpu_ms_per_review"] > 0 and lv["client_cpu_ms_per_review"] > 0 for lv in result["levels"])
@@ -31,6 +38,18 @@ def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, synth
     assert set(mixed["malformed_statuses"]) == {400, 413, 422}
     assert result["correct"] and result["server_exit_code"] == 0
     assert "correctness: ok" in done.stdout
+
+
+def test_a_split_too_small_for_the_requests_is_one_line_before_the_server_starts(trained_dir, tmp_path):
+    (tmp_path / "few").mkdir()
+    write_jsonl(tmp_path / "few" / "test.jsonl", make_examples(3, seed=0))
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "loadtest_serve.py"), "-c", str(trained_dir), "--data",
+                           str(tmp_path / "few"), "--texts", "10", "--texts-per-request", "5"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == ("loadtest_serve: error: --texts-per-request 5: split 'test' of "
+                           f"{tmp_path / 'few'} has only 3 reviews; lower it\n")
+    assert "(b)" not in done.stdout
 
 
 def _script():

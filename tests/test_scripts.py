@@ -141,7 +141,10 @@ def test_faithfulness_refuses_an_impossible_measure_before_loading(args, tmp_pat
     (["bench_train.py", "--mode", "imdb", "--data", "{missing}", "--variants", "a", "--steps", "1"], 2),
     (["bench_data.py", "--data", "{missing}"], 2),  # the error of its child process
     (["bench_pretrain.py", "--config", "{missing}.toml"], 2),
-    (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2)])
+    (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2),
+    (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "1k"], 2),  # before the measurements
+    (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "0,-5"], 2),
+    (["bench_data.py", "--data", "{missing}", "--cached-runs", "2"], 2)])  # the median of two is no run: said first
 def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     missing = str(tmp_path / "nothing")
     done = run([sys.executable, str(REPO / "scripts" / "bench" / script[0]),
@@ -149,7 +152,9 @@ def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     assert done.returncode == code and "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]  # (a usage error prints the usage first, as argparse does)
     assert last.startswith((script[0].removesuffix(".py") + ": error: ", f"{script[0]}: error: "))
-    assert "nothing" in last or "must be" in last
+    assert "nothing" in last or "must be" in last or "give whole numbers" in last
+    if "--cached-runs" in script:
+        assert "--cached-runs must be an odd number" in last
 
 
 @pytest.mark.parametrize(("script", "args"), [
@@ -518,17 +523,23 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"tfm", "straight", "electra"}
+    amp = result["precision"] != "fp32"  # then the straightforward step in that precision too
+    assert set(rows) == {"tfm", "straight", "electra"} | ({"straight_amp"} if amp else set())
     assert rows["straight"]["vs_straight"] == 1.0
-    for name in ("tfm", "electra"):
+    for name in rows.keys() - {"straight"}:
         assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
     for r in rows.values():  # each row's share of the peak measured in the same run
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
-    if result["precision"] == "fp32":
+    # the straightforward steps compute tfm's objective: the same loss on the same first batch
+    assert result["first_loss"].keys() == rows.keys() - {"electra"}
+    for loss in result["first_loss"].values():
+        assert loss == pytest.approx(result["first_loss"]["tfm"], rel=result["loss_tolerance"])
+    if not amp:
         assert "amp_peak" not in result and all("pct_amp_peak" not in r for r in rows.values())
-    else:  # and of the peak of matmuls in the precision autocast runs them in
+    else:  # and, for the steps under autocast, of the peak of matmuls in its precision
         assert result["amp_peak"]["dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[result["precision"]]
-        for r in rows.values():
+        assert rows["straight"]["pct_amp_peak"] is None  # fp32 on a CPU
+        for r in (rows[name] for name in rows.keys() - {"straight"}):
             assert r["pct_amp_peak"] == pytest.approx(100 * r["gflops"] / result["amp_peak"]["gflops"])
     # the straightforward step scores every position, so it does more FLOPs than tfm's for the same tokens
     assert rows["straight"]["gflops"] * rows["tfm"]["tokens_per_sec"] > rows["tfm"]["gflops"] * rows["straight"]["tokens_per_sec"]

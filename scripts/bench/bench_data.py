@@ -57,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.cached_runs < 1:
-        p.error("--cached-runs must be at least 1")
+    if args.cached_runs < 1 or args.cached_runs % 2 == 0:
+        p.error("--cached-runs must be an odd number (1, 3, ...): the median is one of the runs, shown whole")
     return args
 
 

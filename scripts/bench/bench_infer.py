@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("pass at least one --checkpoint DIR or --untrained-config TOML")
     if args.repeats < 1 or args.runs < 1 or args.compare_rounds < 1:
         p.error("--repeats, --runs and --compare-rounds must be at least 1")
+    budgets = [v.strip() for v in (args.compare_tokens_per_thread or "").split(",") if v.strip()]
+    if not all(v.isdigit() for v in budgets):  # checked before the measurements, not after them
+        p.error(f"--compare-tokens-per-thread {args.compare_tokens_per_thread!r}: give whole numbers of tokens, 0 or "
+                "more, separated by commas (e.g. 0,4096)")
+    args.token_budgets = [int(v) for v in budgets]
     return args
 
 
@@ -244,7 +249,7 @@ def compare_settings(model, enc, rt, batch_size: int, num_labels: int, args) -> 
     from transformer_cli.runtime import cpu_has_fast_bf16
 
     changes = [{}]
-    for v in [int(v) for v in (args.compare_tokens_per_thread or "").split(",") if v]:
+    for v in args.token_budgets:
         if v != ev.CPU_TOKENS_PER_THREAD:
             changes.append({"CPU_TOKENS_PER_THREAD": v})
     if args.compare_workers and ev.CPU_WORKERS != 1:
