@@ -697,6 +697,20 @@ def test_load_aclimdb(acl_root, acl_tarball, where):
         load_splits(cfg_for(source), ("unsup",))
 
 
+@pytest.mark.parametrize("where", ["parent", "aclImdb", "tarball"])
+def test_aclimdb_as_a_text_source_has_the_hubs_splits(acl_root, acl_tarball, where):
+    """`tfm pretrain` and `tfm pseudo-label` read aclImdb as they read the Hub's copy: train and test (pos
+    and neg), and unsupervised (train/unsup), as text."""
+    source = str({"parent": acl_root, "aclImdb": acl_root / "aclImdb", "tarball": acl_tarball}[where])
+    d = data_mod.open_text_source(source)
+    assert sorted(d) == ["test", "train", "unsupervised"]
+    for split in ("train", "test"):
+        assert sorted(d[split]["text"]) == sorted(text for text, _ in expected_acl(split))
+    assert d["unsupervised"]["text"] == ["unlabelled"]
+    files = data_mod.source_files(source)  # what an output must not overwrite
+    assert files == [acl_tarball] if where == "tarball" else len(files) == len(ACL_FILES) + 1
+
+
 @pytest.mark.parametrize("source", ["{tmp}/missing", "{tmp}/missing.csv", "./no/such/folder", "nope.jsonl"])
 def test_missing_path_is_a_usage_error(tmp_path, source):
     with pytest.raises(UsageError, match="does not exist"):

@@ -105,14 +105,13 @@ def load_splits(cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, .
     files = named_files(source)
     if files is not None:
         return _from_hf_files(files, cfg, splits, optional, label_names)
+    acl = acl_root(source)
+    if acl is not None:
+        what = "folder" if acl.is_dir() else "archive"
+        return _with_names(_from_acl(acl, _acl_splits(splits, optional, what)), label_names, source)
     if path.is_file():
-        if source.endswith((".tar.gz", ".tgz")):
-            return _with_names(_from_acl_tarball(path, _acl_splits(splits, optional, "archive")), label_names, source)
         raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
     if path.is_dir():
-        acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
-        if (acl / "train" / "pos").is_dir():
-            return _with_names(_from_acl_folder(acl, _acl_splits(splits, optional, "folder")), label_names, source)
         return _from_hf(source, cfg, splits, optional, label_names)
     if looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
@@ -184,9 +183,9 @@ def folder_files(source: str) -> dict[str, list[str]] | None:
         return files  # the folder says which files each split has
     for split, split_files in files.items():
         if len(split_files) > 1 and not all(SHARD.match(Path(f).name.split(".")[0]) for f in split_files):
-            raise UsageError(f"data folder '{source}' has {len(split_files)} files that `datasets` would join as "
-                             f"split '{split}': {', '.join(split_files)}; keep one file a split, or name them "
-                             f"(--data {split}=FILE,...)")
+            shown = ", ".join(split_files[:3]) + (f" and {len(split_files) - 3:,} more" if len(split_files) > 3 else "")
+            raise UsageError(f"data folder '{source}' has {len(split_files):,} files that `datasets` would join as "
+                             f"split '{split}': {shown}; keep one file a split, or name them (--data {split}=FILE,...)")
     return files
 
 
@@ -296,10 +295,13 @@ def open_text_source(source: str):
     files = named_files(source)
     if files is not None:
         return open_dataset_files(files)
+    acl = acl_root(source)
+    if acl is not None:
+        return acl_text_source(acl)
     if Path(source).is_dir() or not Path(source).exists():
         return open_dataset(source)
-    raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, or "
-                     ".txt/.csv/.jsonl/.parquet file(s)")
+    raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, the aclImdb "
+                     "folder or archive, or .txt/.csv/.jsonl/.parquet file(s)")
 
 
 def source_files(source: str) -> list[Path]:
@@ -308,6 +310,9 @@ def source_files(source: str) -> list[Path]:
     files = named_files(source)
     if files is not None:
         return [Path(f) for f in files.values()]
+    acl = acl_root(source)
+    if acl is not None:
+        return [acl] if acl.is_file() else [f for f in acl.rglob("*.txt") if _ACL_REVIEW.fullmatch(f.name)]
     if not Path(source).is_dir():
         return []
     found = folder_files(source)
@@ -475,8 +480,20 @@ def check_classes(labels: np.ndarray, label_names: list[str], where: str, hint: 
         raise TfmError(f"class '{empty[0]}' has no examples in {where}; {hint}")
 
 
-_ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg)/(\d+)_\d+\.txt$")
+_ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg|unsup)/\d+_\d+\.txt$")
 _ACL_REVIEW = re.compile(r"\d+_\d+\.txt")  # ID_RATING.txt: not ._ID_RATING.txt (macOS) or notes.txt
+# The Hub's splits of IMDB in aclImdb's folders
+ACL_TEXT_SPLITS = {"train": (("train", "neg"), ("train", "pos")), "test": (("test", "neg"), ("test", "pos")),
+                   UNLABELLED_SPLIT: (("train", "unsup"),)}
+
+
+def acl_root(source: str) -> Path | None:
+    """The aclImdb folder (`source` or its aclImdb/), or the archive `source`, if it is one; else None."""
+    path = Path(source)
+    if path.is_file() and source.endswith((".tar.gz", ".tgz")):
+        return path
+    acl = path / "aclImdb" if (path / "aclImdb").is_dir() else path
+    return acl if (acl / "train" / "pos").is_dir() else None
 
 
 def _acl_splits(splits: tuple[str, ...], optional: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -488,38 +505,47 @@ def _acl_splits(splits: tuple[str, ...], optional: tuple[str, ...], what: str) -
     return (*splits, *(s for s in optional if s in ("train", "test") and s not in splits))
 
 
-def _from_acl_folder(root: Path, splits: tuple[str, ...]):
-    out = {}
-    for split in splits:
-        texts, labels = [], []
-        for label, sub in enumerate(("neg", "pos")):
+def _acl_reviews(root: Path, folders: list[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
+    """The reviews of aclImdb's `folders` ((split, "pos" | "neg" | "unsup") pairs), each folder's in the
+    order of its file names, from the folder `root` or the archive `root`."""
+    found: dict[tuple[str, str], list[tuple[str, str]]] = {f: [] for f in folders}
+    if root.is_dir():
+        for split, sub in folders:
             for f in sorted(f for f in (root / split / sub).glob("*.txt") if _ACL_REVIEW.fullmatch(f.name)):
-                texts.append(f.read_text(encoding="utf-8", errors="replace"))
-                labels.append(label)
-        if not texts:
-            raise TfmError(f"'{root / split}' holds no reviews (expected pos/*.txt and neg/*.txt)")
-        out[split] = RawSplit(texts, np.array(labels, dtype=np.int64))
-    return out, DEFAULT_LABELS
-
-
-def _from_acl_tarball(path: Path, splits: tuple[str, ...]):
-    found: dict[str, list[tuple[int, str, str]]] = {s: [] for s in splits}
+                found[split, sub].append((f.name, f.read_text(encoding="utf-8", errors="replace")))
+        return {k: [text for _, text in rows] for k, rows in found.items()}
     try:
-        with tarfile.open(path, "r:*") as tar:
+        with tarfile.open(root, "r:*") as tar:
             for member in tar:
                 m = _ACL_NAME.search(member.name)
-                if m and member.isfile() and m.group(1) in found:
+                if m and member.isfile() and (m.group(1), m.group(2)) in found:
                     text = tar.extractfile(member).read().decode("utf-8", errors="replace")
-                    found[m.group(1)].append((int(m.group(2) == "pos"), member.name, text))
+                    found[m.group(1), m.group(2)].append((member.name, text))
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise TfmError(f"could not read '{path}' as a tar archive: {first_line(e).rstrip(':')}") from None
+        raise TfmError(f"could not read '{root}' as a tar archive: {first_line(e).rstrip(':')}") from None
+    return {k: [text for _, text in sorted(rows)] for k, rows in found.items()}
+
+
+def _from_acl(root: Path, splits: tuple[str, ...]):
+    reviews = _acl_reviews(root, [(split, sub) for split in splits for sub in ("neg", "pos")])
     out = {}
-    for split, rows in found.items():
-        if not rows:
-            raise TfmError(f"'{path}' has no aclImdb/{split}/pos|neg/*.txt reviews")
-        rows.sort()
-        out[split] = RawSplit([r[2] for r in rows], np.array([r[0] for r in rows], dtype=np.int64))
+    for split in splits:
+        neg, pos = reviews[split, "neg"], reviews[split, "pos"]
+        if not neg and not pos:
+            raise TfmError(f"'{root}' holds no aclImdb/{split}/pos|neg/*.txt reviews")
+        out[split] = RawSplit(neg + pos, np.array([0] * len(neg) + [1] * len(pos), dtype=np.int64))
     return out, DEFAULT_LABELS
+
+
+def acl_text_source(root: Path):
+    """aclImdb as a text source (`tfm pretrain`, `tfm pseudo-label`): a `datasets.DatasetDict` of its splits
+    as the Hub names them, train and test (pos and neg, labels left out) and unsupervised (train/unsup),
+    each with a column "text"; a split it holds no reviews of is left out."""
+    import datasets
+
+    reviews = _acl_reviews(root, [folder for folders in ACL_TEXT_SPLITS.values() for folder in folders])
+    texts = {split: [t for folder in folders for t in reviews[folder]] for split, folders in ACL_TEXT_SPLITS.items()}
+    return datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": t}) for split, t in texts.items() if t})
 
 
 def stratified_split(labels: np.ndarray, val_size: float, seed: int, block: int = 1) -> tuple[np.ndarray, np.ndarray]:
