@@ -245,6 +245,15 @@ def test_a_bad_pseudo_label_file_is_refused(synthetic_data_dir, tmp_path, rows, 
         prepare_train_data(pseudo_cfg(synthetic_data_dir, path, pseudo_min_score=0.9), seed=0)
 
 
+def test_pseudo_labels_that_are_all_training_reviews_are_named_as_such(synthetic_data_dir, tmp_path):
+    """Not blamed on the threshold, which kept them: the labelled split was train's own."""
+    train = read_jsonl(synthetic_data_dir / "train.jsonl")[:5]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": r["text"], "label": "pos", "score": 0.99} for r in train])
+    with pytest.raises(TfmError, match=r"every review of .* scored at least data.pseudo_min_score = 0.0 \(5\) is also "
+                                       r"in train, validation or test; label other reviews"):
+        prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_a_json_file_that_is_not_utf8_is_named_with_its_first_bad_byte(tmp_path, suffix):
     from transformer_cli.data import open_dataset_files

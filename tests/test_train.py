@@ -2,6 +2,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -469,6 +470,20 @@ def test_a_forced_resume_that_changes_the_model_picks_its_best_anew(synthetic_da
     assert resumed["best_step"] == 10 and load_model_dir(out)[1].model.pooling == "first"
 
 
+@pytest.mark.parametrize("change", [{"model__n_layers": 2}, {"model__d_model": 64}])
+def test_a_forced_resume_that_changes_the_weights_shapes_is_a_usage_error_naming_the_setting(synthetic_data_dir,
+                                                                                               tmp_path, change):
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=4, train__checkpoint_every=4), progress=False)
+    kept = (out / ckpt.MODEL_FILE).read_bytes()
+    key = next(iter(change)).replace("__", ".")
+    with pytest.raises(UsageError, match=rf"^{re.escape(key)} changed, and the checkpoint's weights do not fit .* "
+                                         r"--force accepts only changes that keep the weights' shapes"):
+        train(tiny_config(synthetic_data_dir, out, train__max_steps=8, **change), resume=True, force=True,
+              progress=False)
+    assert (out / ckpt.MODEL_FILE).read_bytes() == kept
+
+
 def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(synthetic_data_dir, out, train__max_steps=3, train__ema_decay=0.0), progress=False)  # no average
@@ -582,16 +597,19 @@ def test_resume_from_another_runs_checkpoint_goes_to_a_new_folder_only(trained_r
     assert (fresh / ckpt.TOKENIZER_FILE).read_text() == (source / ckpt.TOKENIZER_FILE).read_text()
 
 
-@pytest.mark.parametrize("config", ['{"architectures": ["BertModel"]}', "{damaged"], ids=["another-programs", "damaged"])
+@pytest.mark.parametrize("config", ['{"architectures": ["BertModel"]}', "{damaged", None],
+                         ids=["another-programs", "damaged", "none"])
 def test_a_model_beside_no_config_of_a_tfm_run_is_never_replaced(tiny_cfg, config):
-    """A folder of another program's model (or a copied model whose config.json is damaged) is no run
-    that died before its first checkpoint: a fresh start there is refused and touches nothing."""
+    """A folder of another program's model (or a copied model whose config.json is damaged or missing) is
+    no run that died before its first checkpoint: a fresh start there is refused and touches nothing, and
+    the message does not send the user to --resume, which has nothing to continue."""
     out = Path(tiny_cfg.train.output_dir)
     out.mkdir()
     files = {ckpt.CONFIG_FILE: config, ckpt.TOKENIZER_FILE: "{}", ckpt.MODEL_FILE: "weights"}
+    files = {name: text for name, text in files.items() if text is not None}
     for name, text in files.items():
         (out / name).write_text(text)
-    with pytest.raises(UsageError, match="already holds a run"):
+    with pytest.raises(UsageError, match=r"holds a model.safetensors that is no tfm run's .*choose another --output-dir$"):
         train(tiny_cfg, progress=False)
     assert {p.name: p.read_text() for p in out.iterdir()} == files
 

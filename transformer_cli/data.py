@@ -971,6 +971,11 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
             seen.add(text)
             keep.append(i)
     if not keep:
+        scored = int((scores >= cfg.pseudo_min_score).sum())
+        if scored:  # the threshold kept some, but each is a train, validation or test review
+            raise TfmError(f"every review of '{path}' scored at least data.pseudo_min_score = {cfg.pseudo_min_score} "
+                           f"({scored:,}) is also in train, validation or test; label other reviews (by default IMDB's "
+                           "unsupervised split)")
         best = f"the highest score is {scores.max():.4f}" if len(scores) else "it has no reviews"
         raise TfmError(f"data.pseudo_min_score = {cfg.pseudo_min_score} keeps none of the reviews of '{path}' "
                        f"({best}); lower it")

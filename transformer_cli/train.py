@@ -672,6 +672,9 @@ def check_output_dir(out: Path, resume: bool | str, pretraining: bool = False) -
     if ckpt.checkpoint_dirs(out) or (out / ckpt.METRICS_FILE).exists() or foreign_model:
         if resume and Path(resume).resolve().parent == (out / ckpt.CKPT_DIR).resolve():
             return  # --resume-from one of this folder's own checkpoints
+        if foreign_model and not ckpt.checkpoint_dirs(out):  # nothing --resume could continue
+            raise UsageError(f"output directory '{out}' holds a {ckpt.MODEL_FILE} that is no tfm run's (its "
+                             f"{ckpt.CONFIG_FILE} is missing or not tfm's); choose another --output-dir")
         raise UsageError(
             f"output directory '{out}' already holds a run; pass --resume to continue it or choose another --output-dir"
         )
@@ -800,7 +803,15 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         raise TfmError(f"checkpoint state '{path / 'trainer.json'}' is not a tfm checkpoint's (no config, state and "
                        "rng); pick another checkpoint with --resume-from")
     changed = _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
-    ckpt.load_weights(model, path / ckpt.MODEL_FILE)
+    try:
+        ckpt.load_weights(model, path / ckpt.MODEL_FILE)
+    except TfmError:
+        shaped = [k for k in changed if k.startswith(("model.", "data.", "pretrain."))]
+        if not shaped:
+            raise
+        raise UsageError(f"{', '.join(shaped[:4])} changed, and the checkpoint's weights do not fit the model they "
+                         "make; --force accepts only changes that keep the weights' shapes: start a new run (another "
+                         "--output-dir) for these") from None
     try:
         # The optimizer's state comes from the checkpoint; its settings (weight decay, betas, each
         # group's lr_scale) stay this run's, which differ from the checkpoint's only under --force.
