@@ -197,6 +197,9 @@ def test_sigterm_closes_a_stalled_upload_after_the_drain_timeout_and_exits_0(tra
     finally:
         stalled.close()
         s.stop()
+    time.sleep(0.2)  # the reader thread's last lines
+    log = "".join(s.lines.queue)
+    assert "Traceback" not in log and "CancelledError" not in log, log[-2000:]
 
 
 def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(trained_dir):

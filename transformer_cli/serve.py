@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import socket
 from collections.abc import Callable
@@ -67,7 +68,14 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     app = make_app(loaded, metadata, limits, lambda: on_ready(url))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=limits.drain_timeout)
+    logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)  # after Config, which sets up the loggers
     asyncio.run(server_class()(config).serve(sockets=[sock]))
+
+
+def _no_cancelled_traceback(record: logging.LogRecord) -> bool:
+    """Leave out the traceback uvicorn logs for a request it cancelled at the drain timeout (a stalled
+    upload): its own line before it ("Cancel N running task(s)...") says what happened."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 def _require(*modules: str) -> None:
