@@ -963,8 +963,6 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
     scores = np.asarray([s if type(s) in (int, float) else None for s in d["score"]], dtype=np.float64)
     if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
         raise TfmError(f"'{path}' has scores that are not numbers in [0, 1]; write it with `tfm pseudo-label`")
-    if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
-        raise TfmError(f"'{path}' has scores outside [0, 1]; write it with `tfm pseudo-label`")
     seen, keep = set(known), []
     for i, (text, score) in enumerate(zip(rows.texts, scores)):
         if score >= cfg.pseudo_min_score and text not in seen:

@@ -833,8 +833,9 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     if any(k.startswith("model.") or k == "train.init_from" for k in changed):
         # The best model so far is another model than config.json will describe: the next validation picks anew.
         state.best_score, state.best_step, state.best_val, state.evals_since_best = -math.inf, -1, {}, 0
-    elif "train.select_metric" in changed and state.best_val:
-        # The best pass by the new metric is unknown: the saved one's score by it is the bar, patience counts anew.
+    elif state.best_val and selection_score(state.best_val, select_metric) != state.best_score:
+        # Another selection metric (train.select_metric changed under --force): the best pass by it is unknown, so
+        # the saved pass's score by it is the bar, and patience counts anew.
         state.best_score, state.evals_since_best = selection_score(state.best_val, select_metric), 0
     return state
 
