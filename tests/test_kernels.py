@@ -1,6 +1,7 @@
 import platform
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,9 +140,19 @@ def test_model_inference_with_the_kernel_matches_sdpa(kw):
 
 @needs_avx512_bf16
 def test_the_library_is_compiled_once_into_the_cache(fresh_kernels, monkeypatch):
+    import subprocess
+
+    outputs, run = [], subprocess.run
+
+    def recording(cmd, *args, **kwargs):
+        outputs.append(Path(cmd[cmd.index("-o") + 1]))
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.subprocess, "run", recording)
     assert kernels.available() and kernels.unavailable_reason() is None
     built = list(fresh_kernels.glob("attention_bf16-*.so"))
     assert len(built) == 1 and not list(fresh_kernels.glob("*.tmp"))
+    assert outputs and outputs[0].parent == built[0].parent and outputs[0] != built[0]  # renamed into place whole
     stamp = built[0].stat().st_mtime_ns
     forget_the_library(monkeypatch)
     assert kernels.available()
@@ -149,11 +160,16 @@ def test_the_library_is_compiled_once_into_the_cache(fresh_kernels, monkeypatch)
 
 
 @needs_avx512_bf16
-def test_a_failed_build_falls_back_to_sdpa(fresh_kernels, monkeypatch):
-    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+def test_a_failed_build_falls_back_to_sdpa(fresh_kernels, monkeypatch, tmp_path):
+    # a compiler that writes part of its output (-o FILE) and fails, as a killed or broken one does
+    cc = tmp_path / "half-cc"
+    cc.write_text('#!/bin/sh\nprev=\nfor a; do [ "$prev" = -o ] && printf junk > "$a"; prev=$a; done\n'
+                  'echo "internal compiler error" >&2\nexit 1\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
     assert not kernels.available()
-    assert kernels.unavailable_reason().startswith("false failed")
-    assert not fresh_kernels.exists() or not list(fresh_kernels.iterdir())  # no half-written library
+    assert kernels.unavailable_reason() == f"{cc} failed: internal compiler error"
+    assert not list(fresh_kernels.iterdir())  # no half-written library for a later run to load
     qkv, mask = qkv_and_mask(2, 16, 4, 16, [16, 5])
     with torch.inference_mode():
         assert kernels.attention_bf16(qkv, mask, 4) is None

@@ -251,14 +251,21 @@ def test_the_token_file_is_written_chunk_by_chunk(synthetic_data_dir, tmp_path, 
     monkeypatch.setattr(pretrain_mod, "encode_texts", lambda tok, texts, *a: encoded.append(len(texts))
                         or encode_texts(tok, texts, *a))
 
+    texts = [[f"text number {i} {'word ' * j}" * (i + 1) for j in range(3)] for i in range(5)]
+
     def chunks():
         for i in range(5):
             assert len(encoded) == i  # every chunk before this one, and no more
-            yield [f"text number {i} " * (i + 1)] * 3
+            yield texts[i]
 
     enc = write_token_file(tmp_path / "tokens", corpus.tokenizer, chunks(), cfg)
     assert len(enc) == 15 and encoded == [3] * 5
-    assert load_token_file(tmp_path / "tokens", 15) is not None
+    loaded = load_token_file(tmp_path / "tokens", 15)
+    d = cfg.data
+    for k, text in enumerate(t for chunk in texts for t in chunk):  # each text's ids, across chunk boundaries
+        ids, _ = encode_texts(corpus.tokenizer, [text], d.max_length, d.truncation, d.head_fraction)
+        for written in (enc, loaded):
+            assert written.ids[written.offsets[k] : written.offsets[k + 1]].tolist() == ids.tolist(), k
     assert load_token_file(tmp_path / "tokens", 14) is None  # a file of other texts is not taken
 
 
