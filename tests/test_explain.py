@@ -289,3 +289,29 @@ def test_a_review_cut_to_the_models_length_is_shown_cut_where_it_was(trained_dir
     parser = Spans()
     parser.feed(content)
     assert CUT_MARK not in "".join(parser.tokens)  # the mark is no token
+
+
+def test_a_bpe_models_pieces_are_shown_joined_into_their_words(synthetic_data_dir, tmp_path):
+    """BPE's pieces carry no continuation mark: the words come from the tokenizer's own encoding, and the
+    pieces that continue one get WordPiece's "##", in --json too, so that every view joins them; not across
+    the cut of a review longer than the model reads."""
+    from conftest import CONFIGS
+
+    from transformer_cli.explain import CUT_MARK, shown_text
+
+    out = tmp_path / "bpe"
+    done = tfm("train", "--config", CONFIGS / "tiny.toml", "--data", synthetic_data_dir, "-o", out, "--device", "cpu",
+               "data.tokenizer=bpe")
+    assert done.exit_code == 0, done.stderr
+    text = "wonderfulsuperb plotlessacting great"  # words the tiny vocabulary has only in pieces, and one it has
+    r = tfm("predict", "-c", out, "--explain", "--json", text)
+    assert r.exit_code == 0, r.stderr
+    (e,) = json_lines(r.stdout)
+    assert any(t.startswith("##") for t in e["tokens"]) and not e["tokens"][0].startswith("##")
+    assert shown_text(e["tokens"]) == text
+    _, cfg, *_ = load_model_dir(out)
+    long = "great " * (cfg.data.max_length + 10) + "wonderfulsuperb"  # cut: the tail's pieces stay marked
+    (e,) = json_lines(tfm("predict", "-c", out, "--explain", "--json", long).stdout)
+    cut = round((cfg.data.max_length - 1) * cfg.data.head_fraction)
+    shown = shown_text(e["tokens"], cut)
+    assert shown.count(CUT_MARK) == 1 and shown.endswith(" great wonderfulsuperb")
