@@ -168,10 +168,10 @@ def main(argv=None) -> int:
 
     timed = batches[args.warmup:]
     tokens = sum(b.tokens for b in timed)
+    every_position = sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed)
     flops = {
         "tfm": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.units, vocab)) for b in timed),
-        "straight": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed),
-        "straight_amp": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed),
+        "straight": every_position, "straight_amp": every_position,  # the same step, in fp32 and under autocast
         "electra": sum(3 * (encoder_flops(cfg, b) * (1 + cfg.pretrain.generator_layers / cfg.model.n_layers)
                             + head_flops(cfg, b.units, vocab)) for b in timed),
     }
