@@ -112,6 +112,17 @@ def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
         assert part in str(e.value)
 
 
+@pytest.mark.parametrize(("objective", "field", "value", "for_"), [
+    ("mlm", "generator_layers", 2, "electra"), ("skipgram", "detection_weight", 10.0, "electra"),
+    ("skipgram", "mask_prob", 0.3, "mlm or electra"), ("skipgram", "window", 128, "mlm or electra"),
+])
+def test_a_setting_of_another_pretraining_objective_is_refused_not_ignored(objective, field, value, for_):
+    with pytest.raises(UsageError, match=rf"pretrain.{field} = {value!r}: is for pretrain.objective = {for_}, "
+                                         rf"not '{objective}'"):
+        Config.from_dict({"pretrain": {"objective": objective, field: value}})
+    Config.from_dict({"pretrain": {"objective": for_.split()[0], field: value}})  # its own objective takes it
+
+
 @pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
 def test_unknown_device_names_are_usage_errors(name):
     with pytest.raises(UsageError, match="unknown device; use auto, cpu, cuda, cuda:N or mps"):

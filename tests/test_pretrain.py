@@ -20,18 +20,24 @@ from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import CLASSIFIER_ONLY, ModelConfig, PretrainConfig, load_config
 from transformer_cli.data import CLS_ID, PAD_ID, SPECIAL_TOKENS, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.model import Electra, MaskedLM
+from transformer_cli.model import Electra, MaskedLM, SkipGram
 from transformer_cli.pretrain import (
+    CONTEXT,
     MASK_ID,
+    NEGATIVES,
+    SUBSAMPLE,
     Corpus,
     MaskedLanguageModelling,
+    SkipGramTask,
     check_classifier_only,
     cut_windows,
     load_token_file,
     mask_tokens,
     prepare_corpus,
     pretrain,
+    skipgram_pairs,
     text_splits,
+    token_counts,
     write_token_file,
 )
 from transformer_cli.runtime import make_runtime
@@ -225,6 +231,80 @@ def test_electra_equals_a_straightforward_replaced_token_detection():
     objective.backward()  # the encoder learns from both losses through the shared embedding
     assert model.encoder.tok_emb.weight.grad.abs().sum() > 0 and model.generator[0].attn.qkv.weight.grad.abs().sum() > 0
 
+
+
+def straightforward_skipgram_pairs(ids, mask, keep, generator):
+    """word2vec's pairs written as its C code walks a text: the same random draws as skipgram_pairs, in
+    the same order (which words are kept, then each kept word's window)."""
+    kept = mask & (ids >= len(SPECIAL_TOKENS)) & (torch.rand(ids.shape, generator=generator) < keep[ids])
+    reach = torch.randint(1, CONTEXT + 1, ids.shape, generator=generator)
+    pairs = []
+    for row in range(ids.shape[0]):
+        words = ids[row][kept[row]].tolist()
+        for i, center in enumerate(words):
+            r = reach[row, i].item()
+            pairs += [(center, words[j]) for j in range(max(0, i - r), min(len(words), i + r + 1)) if j != i]
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("subsampled", [False, True])
+def test_skipgram_pairs_equal_word2vecs_walk_over_each_text(subsampled):
+    ids, mask = batch([40, 25, 7, 2, 1])
+    keep = torch.full((VOCAB,), 0.5 if subsampled else 1.0)
+    noise = torch.arange(VOCAB, dtype=torch.float) * (torch.arange(VOCAB) >= len(SPECIAL_TOKENS))
+    centers, contexts, negatives = skipgram_pairs(ids, mask, keep, noise, torch.Generator().manual_seed(3))
+    expected = straightforward_skipgram_pairs(ids, mask, keep, torch.Generator().manual_seed(3))
+    assert sorted(zip(centers.tolist(), contexts.tolist())) == expected
+    assert len(expected) > (100 if not subsampled else 30)
+    assert negatives.shape == (len(centers), NEGATIVES)
+    assert (negatives >= len(SPECIAL_TOKENS)).all()  # never a word of weight 0
+    ids, mask = batch([1, 1])  # texts of [CLS] alone: no pairs
+    assert [t.shape for t in skipgram_pairs(ids, mask, keep, noise)] == [(0,), (0,), (0, NEGATIVES)]
+
+
+def test_skipgram_keeps_rare_words_and_subsamples_frequent_ones_by_their_counts(tmp_path):
+    ids = np.array([CLS_ID, 5, 5, 5, 5, 6, CLS_ID, 5, 7, CLS_ID, 8, 8], dtype=np.int32)
+    texts = Encoded(ids, np.array([0, 6, 9, 12]), np.zeros(3, dtype=np.int64))
+    assert token_counts(texts, np.array([2]), 10, chunk=5).tolist() == [0, 0, 2, 0, 0, 5, 1, 1, 0, 0]
+    task = SkipGramTask(Corpus(None, texts, np.array([0, 1]), np.array([2])), 10)
+    f = 5 / 7  # word 5's share of the training texts' words ([CLS] is none)
+    assert task.keep[5].item() == pytest.approx((math.sqrt(f / SUBSAMPLE) + 1) * SUBSAMPLE / f, rel=1e-5)
+    assert task.keep[8].item() == 1.0  # only in the held-out text: kept, and never drawn as noise
+    assert task.noise.tolist() == pytest.approx([0, 0, 0, 0, 0, 5**0.75, 1, 1, 0, 0])
+
+
+def test_skipgram_loss_equals_word2vecs_negative_sampling_loss():
+    """Each pair's loss as word2vec's: -log sigmoid(u.v) of its context and -log sigmoid(-u.w) of
+    each of its negatives; only the token embedding and the context vectors learn, with the
+    gradients of the loss written out."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, n_layers=1)
+    model = SkipGram(cfg, VOCAB, 16)
+    with torch.no_grad():
+        model.context.weight.normal_(0.0, 0.02)  # zero at the start, as word2vec's
+    centers, contexts = torch.randint(5, VOCAB, (30,)), torch.randint(5, VOCAB, (30,))
+    negatives = torch.randint(5, VOCAB, (30, 4))
+    loss, stats = model(centers, contexts, negatives)
+    t = SkipGram.TEMPERATURE
+    emb = model.encoder.tok_emb.weight.detach().clone().requires_grad_(True)
+    ctx = model.context.weight.detach().clone().requires_grad_(True)
+    expected, right = 0.0, 0.0
+    for c, x, ns in zip(centers.tolist(), contexts.tolist(), negatives.tolist()):
+        true = emb[c] @ ctx[x] / t
+        false = ctx[ns] @ emb[c] / t
+        expected = expected - F.logsigmoid(true) - F.logsigmoid(-false).sum()
+        right += float(true > 0) + (false < 0).sum().item()
+    expected = expected / 30
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert stats["accuracy"].item() == pytest.approx(right / (30 * 5), rel=1e-6)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(model.encoder.tok_emb.weight.grad, emb.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(model.context.weight.grad, ctx.grad, rtol=1e-4, atol=1e-6)
+    learning = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert learning == {"encoder.tok_emb.weight", "context.weight"}
+    empty = torch.zeros(0, dtype=torch.long)
+    assert model(empty, empty, negatives[:0])[0].item() == 0.0  # a batch without pairs
 
 
 def test_the_token_file_written_in_small_chunks_is_memory_mapped_and_equals_encoding_at_once(
@@ -437,7 +517,7 @@ def test_pretrain_writes_where_it_is_told_else_to_runs_pretrain(tmp_path, monkey
     assert result.exit_code == 1 and told == [expected], result.stderr
 
 
-@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml"])
+@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml", "word-vectors.toml"])
 def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
     check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too
 
@@ -509,7 +589,7 @@ def test_pretraining_lowers_the_held_out_loss_far_below_guessing(tmp_path):
     assert metrics["val"]["loss"] < math.log(10) + 0.1 < math.log(vocab) - 1.0
 
 
-@pytest.mark.parametrize("objective, window", [("mlm", 0), ("electra", 0), ("mlm", 16)])
+@pytest.mark.parametrize("objective, window", [("mlm", 0), ("electra", 0), ("mlm", 16), ("skipgram", 0)])
 def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_path, monkeypatch, objective, window):
     """SIGTERM while a batch is prepared: the step ends, a checkpoint is written, the run exits with
     143; --resume then ends with the weights of the run that was never stopped (Electra's samples
@@ -520,7 +600,8 @@ def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_
 
     full, cut = tmp_path / "full", tmp_path / "cut"
     pretrain(config(full), progress=False)
-    real, calls = MaskedLanguageModelling.batch, []
+    task = SkipGramTask if objective == "skipgram" else MaskedLanguageModelling
+    real, calls = task.batch, []
 
     def batch(self, rt, idx):
         calls.append(1)
@@ -528,14 +609,14 @@ def test_pretraining_stopped_by_sigterm_resumes_exactly(synthetic_data_dir, tmp_
             signal.raise_signal(signal.SIGTERM)
         return real(self, rt, idx)
 
-    monkeypatch.setattr(MaskedLanguageModelling, "batch", batch)
+    monkeypatch.setattr(task, "batch", batch)
     with pytest.raises(Interrupted) as info:
         pretrain(config(cut), progress=False)
     monkeypatch.undo()
     assert info.value.exit_code == 143
     assert [d.name for d in ckpt.checkpoint_dirs(cut)] == ["step-00000006"]
     with pytest.raises(UsageError, match="differ"):
-        pretrain(config(cut, pretrain__mask_prob=0.2), resume=True, progress=False)
+        pretrain(config(cut, train__weight_decay=0.2), resume=True, progress=False)
     pretrain(config(cut), resume=True, progress=False)
     a, b = (load_file(ckpt.checkpoint_dirs(d)[-1] / ckpt.MODEL_FILE) for d in (full, cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -667,6 +748,34 @@ def test_fine_tuning_starts_from_an_electra_discriminator(synthetic_data_dir, tm
     # (test_a_fine_tuned_run_trains_and_resumes checks the accuracy after masked-LM pretraining)
     metrics = train(pretrain_config(synthetic_data_dir, tmp_path / "ft-run", train__init_from=str(out)), progress=False)
     assert metrics["steps"] > 0 and math.isfinite(metrics["val"]["loss"])
+
+
+def test_word_vectors_learn_which_words_neighbour_and_fine_tuning_starts_from_them(synthetic_data_dir, tmp_path):
+    """Lines of words of one topic each (20 topics of 10 words): a word's neighbours are words of its
+    topic, so held-out pairs are told from noise words far better than by chance; the rest of the
+    encoder is saved as initialised, and fine-tuning starts from the trained embedding."""
+    rng = np.random.default_rng(0)
+    topics = [[f"{a}{b}" for b in "aeiouylmnr"] for a in "bcdfghjkpqstvwxzBCDF"]  # 20 x 10 two-letter words
+    lines = [" ".join(rng.choice(topics[t], 50)) for t in rng.integers(0, 20, 600)]
+    corpus = tmp_path / "topics.txt"
+    corpus.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "vectors"
+    metrics = pretrain(pretrain_config(corpus, out, train__epochs=3, train__lr=2e-2, pretrain__objective="skipgram"),
+                       progress=False)
+    # chance is 0.5; knowing only the words' frequencies (all equal here) scores at most 5/6, as a pair's
+    # decisions are one true context and five noise words
+    assert metrics["val"]["accuracy"] > 0.9
+    saved = load_file(out / ckpt.MODEL_FILE)
+    assert saved.keys() >= {"encoder.tok_emb.weight", "context.weight"}
+    meta = json.loads((out / ckpt.CONFIG_FILE).read_text())
+    torch.manual_seed(meta["train"]["seed"])  # the pretraining's initialisation
+    fresh = SkipGram(ModelConfig(**meta["model"]), meta["vocab_size"], meta["data"]["max_length"])
+    for name, tensor in fresh.state_dict().items():
+        same = torch.equal(tensor, saved[name])
+        assert same != (name in ("encoder.tok_emb.weight", "context.weight")), name
+    run = setup(pretrain_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out)),
+                make_runtime("cpu", "fp32"))
+    assert torch.equal(run.model.encoder.tok_emb.weight, saved["encoder.tok_emb.weight"])
 
 
 @pytest.mark.parametrize("damage", ["missing", "a file", "no config", "no tokenizer", "truncated weights",

@@ -256,7 +256,7 @@ def pretrain(
     if os.environ.get("RANK", "0") != "0":
         return
     val, metric = metrics["val"], metrics["select_metric"]
-    objective = {"mlm": "masked-LM", "electra": "ELECTRA"}[cfg.pretrain.objective]
+    objective = {"mlm": "masked-LM", "electra": "ELECTRA", "skipgram": "skip-gram"}[cfg.pretrain.objective]
     other = "accuracy" if metric == "loss" else "loss"
     typer.echo(f"done: best held-out {objective} {metric} {val[metric]:.4f} ({other} {val[other]:.4f}) at step "
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")

@@ -303,7 +303,8 @@ class PretrainConfig(_Section):
     """`tfm pretrain`: self-supervised training of the encoder on unlabelled text."""
 
     _name = "pretrain"
-    objective: Literal["mlm", "electra"] = "mlm"  # masked-language modelling (BERT's), or replaced-token detection
+    objective: Literal["mlm", "electra", "skipgram"] = "mlm"  # masked-language modelling (BERT's), replaced-token
+    # detection (ELECTRA's), or word vectors (word2vec's skip-gram; the token embedding alone)
     mask_prob: float = 0.15  # share of each text's tokens the objective predicts (80% [MASK], 10% random, 10% kept)
     generator_layers: int = 1  # electra: blocks of the generator that proposes the replacements
     detection_weight: float = 50.0  # electra: weight of the detection loss beside the generator's masked-LM loss
@@ -328,6 +329,13 @@ class PretrainConfig(_Section):
             self._fail("shard_texts", "must be at least 1")
         if self.window != 0 and self.window < 2:
             self._fail("window", "must be 0 (whole texts) or at least 2 tokens")
+        defaults = PretrainConfig.__dataclass_fields__
+        unused = {"generator_layers": "electra", "detection_weight": "electra", "mask_prob": "mlm or electra",
+                  "window": "mlm or electra"}
+        for name, objectives in unused.items():
+            if self.objective not in objectives.split(" or ") and getattr(self, name) != defaults[name].default:
+                self._fail(name, f"is for pretrain.objective = {objectives}, not {self.objective!r}: leave it at "
+                                 f"its default, {defaults[name].default!r}")
 
 
 def check_device_and_precision(device: str, precision: str | None) -> None:

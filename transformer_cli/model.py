@@ -473,6 +473,53 @@ class Electra(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class SkipGram(nn.Module):
+    """Word vectors by skip-gram with negative sampling (word2vec; Mikolov et al. 2013), for pretraining
+    the token embedding alone: each word's vector learns to tell the words near it from words drawn
+    at random. With no attention and no scores over the whole vocabulary, it reads unlabelled text
+    far faster than a masked LM does.
+
+    The rest of the encoder is frozen at its initialisation and saved with it, so `tfm train
+    --init-from` starts from the trained embedding with the other weights as from scratch. Scores
+    are dot products divided by `TEMPERATURE`, which sets the scale the trained vectors settle at
+    for the classifier's other weights, initialised at normal(0, 0.02)."""
+
+    TEMPERATURE = 0.1
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg, vocab_size, max_length)
+        self.context = nn.Embedding(vocab_size, cfg.d_model)  # each word's vector as a context of others
+        init_weights(self, cfg.n_layers)
+        nn.init.zeros_(self.context.weight)  # as word2vec: no pair scores anything before the words do
+        self.encoder.requires_grad_(False)
+        self.encoder.tok_emb.weight.requires_grad_(True)
+
+    def forward(self, centers: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the loss, {"accuracy"}) of telling each of the (N,) `centers`' context word (N,) from its
+        (N, K) `negatives`: per pair, the logistic losses of its K + 1 decisions summed, and their
+        accuracy. Rows are gathered with index_select, whose backward is one index_add (an
+        embedding's sorts the indices first: slower for the N x (K + 1) rows here)."""
+        n, k = len(centers), negatives.shape[1]
+        u = self.encoder.tok_emb.weight.index_select(0, centers)  # (N, C)
+        words = torch.cat([contexts[:, None], negatives], dim=1).view(-1)  # (N * (K + 1),)
+        v = self.context.weight.index_select(0, words).view(n, k + 1, self.cfg.d_model)  # (N, K + 1, C)
+        scores = (u[:, None, :] * v).sum(-1).float() / self.TEMPERATURE  # (N, K + 1)
+        sign = torch.full_like(scores, -1.0)
+        sign[:, 0] = 1.0  # the context is to score above 0, the negatives below
+        loss = F.softplus(-sign * scores).sum() / max(n, 1)  # a batch may have no pairs: its loss is then 0
+        right = torch.count_nonzero(sign * scores.detach() > 0) / max(n * (k + 1), 1)
+        return loss, {"accuracy": right}
+
+    def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
+        return decay_groups(list(self.parameters()), weight_decay)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
 def init_weights(model: nn.Module, n_layers: int) -> None:
     """Normal(0, 0.02) weights and zero biases, GPT-2 style: the projections that write into the
     residual stream shrink with depth."""

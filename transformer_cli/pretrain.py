@@ -1,5 +1,6 @@
 """`tfm pretrain`: self-supervised pretraining of the encoder on unlabelled text, by masked-language
-modelling (BERT) or replaced-token detection (ELECTRA).
+modelling (BERT), replaced-token detection (ELECTRA), or word vectors for its token embedding alone
+(word2vec's skip-gram).
 
 The text (by default IMDB's `unsupervised` and `train` reviews; labels are never read, `test` never
 opened) is read from `datasets`' memory-mapped Arrow tables a chunk at a time: the tokenizer is
@@ -42,7 +43,7 @@ from transformer_cli.data import (
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import batch_plan
 from transformer_cli.fileio import cache_dir, write_json
-from transformer_cli.model import Electra, MaskedLM
+from transformer_cli.model import Electra, MaskedLM, SkipGram
 from transformer_cli.runtime import Runtime, make_runtime
 from transformer_cli.train import (
     Batch,
@@ -65,6 +66,10 @@ VAL_BATCH = 256
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
 CORPUS_VERSION = 1  # in the token file's cache key
 PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be here (None: the loss)
+# word2vec's skip-gram settings (its defaults, with its recommended subsampling threshold for large corpora)
+CONTEXT = 5  # a word pairs with words at most this many places either side
+NEGATIVES = 5  # random words each pair is told from
+SUBSAMPLE = 1e-4  # frequent words are kept with probability about sqrt(SUBSAMPLE / frequency)
 
 
 # --------------------------------------------------------------------------- text
@@ -239,7 +244,17 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
     return masked, picked, targets
 
 
-class MaskedLanguageModelling:
+class PretrainingTask:
+    """What the pretraining tasks share (train.Task): their tags, and a loss that is the model's own."""
+
+    prefix = "pretrain"
+
+    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = engine(*batch.tensors)
+        return loss, {"loss": loss.detach(), **stats}
+
+
+class MaskedLanguageModelling(PretrainingTask):
     """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM)
     or to detect the generator's replacements of them (Electra). Validated on the held-out texts with
     the same masks and samples every time, so that its figures compare across steps.
@@ -247,8 +262,6 @@ class MaskedLanguageModelling:
     With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
     mostly on 128-token sequences: attention costs less per token, and each window keeps its
     positions in its text, so the whole position table trains. The held-out texts are cut alike."""
-
-    prefix = "pretrain"
 
     def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, select_metric: str = "loss"):
         windows, self.starts, text = cut_windows(corpus.texts, pc.window)
@@ -278,10 +291,6 @@ class MaskedLanguageModelling:
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
         tensors, tokens = self._masked(self.texts, self.train_idx[idx], self.starts)
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
-
-    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = engine(*batch.tensors)
-        return loss, {"loss": loss.detach(), **stats}
 
     @torch.no_grad()
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
@@ -315,6 +324,98 @@ class MaskedLanguageModelling:
         return {**m, "num_predicted": count}, tags, selection_score(m, self.select_metric)
 
 
+def token_counts(texts: Encoded, exclude: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
+    """(V,) occurrences of each token id in the texts but those at `exclude`, read a chunk at a time
+    (the ids may be a memory-mapped file larger than memory)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(texts.ids), chunk):
+        counts += np.bincount(texts.ids[start : start + chunk], minlength=vocab_size)[:vocab_size]
+    for i in exclude:
+        counts -= np.bincount(texts.ids[texts.offsets[i] : texts.offsets[i + 1]], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def skipgram_pairs(ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, noise: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """word2vec's training pairs of a (B, T) batch: each word is kept with probability keep[id] (V,),
+    the kept words of a text close up, and each pairs with the words at most r places either side,
+    r drawn from 1..CONTEXT for each; each pair gets NEGATIVES words drawn by the `noise` (V,) weights.
+    Special tokens are no words. Returns (centers (N,), contexts (N,), negatives (N, NEGATIVES))."""
+    words = mask & (ids >= FIRST_WORD_ID)
+    kept = words & (torch.rand(ids.shape, generator=generator) < keep[ids])  # (B, T)
+    order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)  # (B, T): each row's kept words first
+    ids = ids.gather(1, order)
+    real = torch.arange(ids.shape[1]) < kept.sum(1, keepdim=True)  # (B, T)
+    reach = torch.randint(1, CONTEXT + 1, ids.shape, generator=generator)  # (B, T) each word's window
+    centers, contexts = [ids.new_zeros(0)], [ids.new_zeros(0)]
+    for o in range(1, min(CONTEXT, ids.shape[1] - 1) + 1):
+        left, right, both = ids[:, :-o], ids[:, o:], real[:, o:]  # (B, T - o) words o apart
+        forward, backward = both & (reach[:, :-o] >= o), both & (reach[:, o:] >= o)
+        centers += [left[forward], right[backward]]
+        contexts += [right[forward], left[backward]]
+    centers, contexts = torch.cat(centers), torch.cat(contexts)
+    if len(centers) == 0:
+        return centers, contexts, ids.new_zeros(0, NEGATIVES)
+    negatives = torch.multinomial(noise, len(centers) * NEGATIVES, replacement=True, generator=generator)
+    return centers, contexts, negatives.view(-1, NEGATIVES)
+
+
+class SkipGramTask(PretrainingTask):
+    """The word-vector task (`pretrain.objective = "skipgram"`, model.SkipGram): skipgram_pairs of the
+    training texts, with word2vec's subsampling of frequent words (a word of frequency f is kept with
+    probability (sqrt(f / SUBSAMPLE) + 1) * SUBSAMPLE / f) and its noise distribution (counts to the
+    power 3/4), both from the training texts' counts. Validated on the held-out texts with the same
+    pairs and noise words every time."""
+
+    def __init__(self, corpus: Corpus, vocab_size: int, select_metric: str = "loss"):
+        self.texts, self.train_idx, self.val_idx = corpus.texts, corpus.train_idx, corpus.val_idx
+        counts = token_counts(corpus.texts, corpus.val_idx, vocab_size).astype(np.float64)
+        counts[:FIRST_WORD_ID] = 0
+        f = counts / max(counts.sum(), 1.0)
+        with np.errstate(divide="ignore"):
+            keep = np.where(f > 0, (np.sqrt(f / SUBSAMPLE) + 1) * SUBSAMPLE / f, 1.0)
+        self.keep = torch.from_numpy(np.minimum(keep, 1.0)).float()  # (V,)
+        noise = counts**0.75
+        self.noise = torch.from_numpy(noise if noise.sum() > 0 else np.ones(vocab_size)).float()  # (V,)
+        self.select_metric = select_metric
+        self.lengths = corpus.texts.lengths[self.train_idx]
+        self.num_train, self.num_val = len(self.train_idx), len(self.val_idx)
+
+    def _pairs(self, idx: np.ndarray, generator=None) -> tuple[tuple[torch.Tensor, ...], int]:
+        ids, mask, _ = collate(self.texts, idx)
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        return skipgram_pairs(ids, mask, self.keep, self.noise, generator), int(mask.sum())
+
+    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
+        pairs, tokens = self._pairs(self.train_idx[idx])
+        return Batch(rt.tensors(*(t.numpy() for t in pairs)), max(len(pairs[0]), 1), len(idx), tokens)
+
+    @torch.no_grad()
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        model, rt = run.model, run.rt
+        was_training = model.training
+        model.eval()
+        generator = torch.Generator().manual_seed(0)
+        sums, count = {"loss": 0.0, "accuracy": 0.0}, 0
+        try:
+            for idx in batch_plan(self.texts.lengths[self.val_idx], VAL_BATCH, 16384):
+                pairs, _ = self._pairs(self.val_idx[idx], generator)
+                if len(pairs[0]) == 0:
+                    continue
+                with rt.autocast():
+                    loss, stats = model(*rt.tensors(*(t.numpy() for t in pairs)))
+                for name, value in {"loss": loss, **stats}.items():
+                    sums[name] += value.item() * len(pairs[0])
+                count += len(pairs[0])
+        finally:
+            model.train(was_training)
+        if count == 0:
+            raise TfmError("the held-out texts give no pairs of words; hold out more with pretrain.val_texts")
+        m = {name: total / count for name, total in sums.items()}
+        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
+        return {**m, "num_pairs": count}, tags, selection_score(m, self.select_metric)
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -340,15 +441,20 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()
     model = pretraining_model(cfg, vocab_size)
-    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
+    if cfg.pretrain.objective == "skipgram":
+        task = SkipGramTask(corpus, vocab_size, tc.select_metric or "loss")
+    else:
+        task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
 
-def pretraining_model(cfg: Config, vocab_size: int) -> MaskedLM | Electra:
+def pretraining_model(cfg: Config, vocab_size: int) -> MaskedLM | Electra | SkipGram:
     """The encoder with the heads of the configured objective."""
     pc = cfg.pretrain
+    if pc.objective == "skipgram":
+        return SkipGram(cfg.model, vocab_size, cfg.data.max_length)
     if pc.objective == "electra":
         return Electra(cfg.model, vocab_size, cfg.data.max_length, pc.generator_layers, pc.detection_weight)
     return MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
