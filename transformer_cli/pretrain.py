@@ -245,13 +245,52 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
 
 
 class PretrainingTask:
-    """What the pretraining tasks share (train.Task): their tags, and a loss that is the model's own."""
+    """What the pretraining tasks share (train.Task): their tags, a loss that is the model's own, and
+    validation on the held-out texts, batch by batch as `held_out` gives them, with the same random
+    draws every time, so that its figures compare across steps."""
 
     prefix = "pretrain"
+    select_metric: str
+    count_name: str  # the metrics' name for how many units the held-out figures are means over
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = engine(*batch.tensors)
         return loss, {"loss": loss.detach(), **stats}
+
+    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
+        """(the model's tensors, the units its figures are means over, real tokens) of each held-out batch."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        model, rt = run.model, run.rt
+        was_training = model.training
+        model.eval()
+        sums: dict[str, float] = {}
+        count = real = 0
+        per_token = getattr(model, "per_token_stats", ())  # ELECTRA's detection figures: means over real tokens
+        # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
+        # if there had been no validation
+        gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
+        with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
+            torch.manual_seed(0)
+            try:
+                for tensors, n, tokens in self.held_out(torch.Generator().manual_seed(0)):
+                    with rt.autocast():
+                        loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
+                    for name, value in {"loss": loss, **stats}.items():  # each batch's means weighted by their units
+                        sums[name] = sums.get(name, 0.0) + value.item() * (tokens if name in per_token else n)
+                    count, real = count + n, real + tokens
+            finally:
+                model.train(was_training)
+        if count == 0:
+            raise TfmError("the held-out texts give the objective nothing to predict; hold out more texts with "
+                           "pretrain.val_texts")
+        m = {name: total / (real if name in per_token else count) for name, total in sums.items()}
+        if per_token:  # its parts pool over different tokens: the objective is of the pooled parts
+            m["loss"] = model.objective_of(m)
+        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
+        return {**m, self.count_name: count}, tags, selection_score(m, self.select_metric)
 
 
 class MaskedLanguageModelling(PretrainingTask):
@@ -262,6 +301,8 @@ class MaskedLanguageModelling(PretrainingTask):
     With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
     mostly on 128-token sequences: attention costs less per token, and each window keeps its
     positions in its text, so the whole position table trains. The held-out texts are cut alike."""
+
+    count_name = "num_predicted"
 
     def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, select_metric: str = "loss"):
         windows, self.starts, text = cut_windows(corpus.texts, pc.window)
@@ -292,36 +333,10 @@ class MaskedLanguageModelling(PretrainingTask):
         tensors, tokens = self._masked(self.texts, self.train_idx[idx], self.starts)
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
-    @torch.no_grad()
-    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        model, rt = run.model, run.rt
-        was_training = model.training
-        model.eval()
-        generator = torch.Generator().manual_seed(0)
-        sums: dict[str, float] = {}
-        count = real = 0
-        per_token = getattr(model, "per_token_stats", ())  # ELECTRA's detection figures: means over real tokens
-        # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
-        # if there had been no validation
-        gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
-        with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
-            torch.manual_seed(0)
-            try:
-                for idx in batch_plan(self.val.lengths, VAL_BATCH, 16384):
-                    tensors, tokens = self._masked(self.val, idx, self.val_starts, generator)
-                    with rt.autocast():
-                        loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
-                    n = len(tensors[3])  # each batch's means weighted by what they are means over
-                    for name, value in {"loss": loss, **stats}.items():
-                        sums[name] = sums.get(name, 0.0) + value.item() * (tokens if name in per_token else n)
-                    count, real = count + n, real + tokens
-            finally:
-                model.train(was_training)
-        m = {name: total / (real if name in per_token else count) for name, total in sums.items()}
-        if per_token:  # its parts pool over different tokens: the objective is of the pooled parts
-            m["loss"] = model.objective_of(m)
-        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
-        return {**m, "num_predicted": count}, tags, selection_score(m, self.select_metric)
+    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
+        for idx in batch_plan(self.val.lengths, VAL_BATCH, 16384):
+            tensors, tokens = self._masked(self.val, idx, self.val_starts, generator)
+            yield tensors, len(tensors[3]), tokens
 
 
 def token_counts(texts: Encoded, exclude: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
@@ -367,6 +382,8 @@ class SkipGramTask(PretrainingTask):
     power 3/4), both from the training texts' counts. Validated on the held-out texts with the same
     pairs and noise words every time."""
 
+    count_name = "num_pairs"
+
     def __init__(self, corpus: Corpus, vocab_size: int, select_metric: str = "loss"):
         self.texts, self.train_idx, self.val_idx = corpus.texts, corpus.train_idx, corpus.val_idx
         counts = token_counts(corpus.texts, corpus.val_idx, vocab_size).astype(np.float64)
@@ -390,30 +407,11 @@ class SkipGramTask(PretrainingTask):
         pairs, tokens = self._pairs(self.train_idx[idx])
         return Batch(rt.tensors(*(t.numpy() for t in pairs)), max(len(pairs[0]), 1), len(idx), tokens)
 
-    @torch.no_grad()
-    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        model, rt = run.model, run.rt
-        was_training = model.training
-        model.eval()
-        generator = torch.Generator().manual_seed(0)
-        sums, count = {"loss": 0.0, "accuracy": 0.0}, 0
-        try:
-            for idx in batch_plan(self.texts.lengths[self.val_idx], VAL_BATCH, 16384):
-                pairs, _ = self._pairs(self.val_idx[idx], generator)
-                if len(pairs[0]) == 0:
-                    continue
-                with rt.autocast():
-                    loss, stats = model(*rt.tensors(*(t.numpy() for t in pairs)))
-                for name, value in {"loss": loss, **stats}.items():
-                    sums[name] += value.item() * len(pairs[0])
-                count += len(pairs[0])
-        finally:
-            model.train(was_training)
-        if count == 0:
-            raise TfmError("the held-out texts give no pairs of words; hold out more with pretrain.val_texts")
-        m = {name: total / count for name, total in sums.items()}
-        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
-        return {**m, "num_pairs": count}, tags, selection_score(m, self.select_metric)
+    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
+        for idx in batch_plan(self.texts.lengths[self.val_idx], VAL_BATCH, 16384):
+            pairs, tokens = self._pairs(self.val_idx[idx], generator)
+            if len(pairs[0]):
+                yield pairs, len(pairs[0]), tokens
 
 
 # --------------------------------------------------------------------------- the command
