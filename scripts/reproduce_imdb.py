@@ -7,13 +7,16 @@ For each recipe and seed it runs
 
 Recipe "default" is the built-in defaults (no --config); "wide-and-deep" and "seed" are files in
 configs/. "pretrained" is the pipeline: once, `tfm pretrain --config configs/pretrain.toml --data
-DATA -o OUT/pretrain` (its time is the row "pretrain"), then for each seed `tfm train --config
+DATA -o OUT/pretrain` (its time is the row "pretrain encoder"), then for each seed `tfm train --config
 configs/finetune.toml --init-from OUT/pretrain`. "scratch" is its ablation: the same fine-tuning
 with the same encoder sizes from random init (the sizes of configs/pretrain.toml as overrides).
 "self-trained" goes on from "pretrained": each seed's fine-tuned model labels the dataset's
 `unsupervised` split (`tfm pseudo-label -c OUT/pretrained-sSEED -o OUT/pseudo-pretrained-sSEED.jsonl`),
 and a student fine-tunes the same encoder on train and those labels (`tfm train --config
 configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-pretrained-sSEED.jsonl`).
+"word-vectors" is the default recipe from word vectors: once, `tfm pretrain --config
+configs/word-vectors.toml --data DATA -o OUT/word-vectors` (the row "word-vectors encoder"), then
+for each seed `tfm train --init-from OUT/word-vectors`.
 "taught" is the default recipe taught by the "wide-and-deep" run of its seed: that run labels the
 `unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
 train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
@@ -55,13 +58,15 @@ from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, 
 from transformer_cli.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("default", "pretrained", "self-trained", "scratch", "wide-and-deep", "taught", "seed")
+RECIPES = ("default", "pretrained", "self-trained", "scratch", "word-vectors", "wide-and-deep", "taught", "seed")
 # A student recipe's teacher: the run of the student's seed that labels the unlabelled reviews for it.
 TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
 PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml")}
+# The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
+ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.
 COMMAND_FILE = "command.txt"
 
@@ -95,12 +100,14 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
     if recipe == "default":
         return []
     if recipe == "pretrained":
-        return ["--config", str(finetune_toml), "--init-from", str(out_root / "pretrain")]
+        return ["--config", str(finetune_toml), "--init-from", str(out_root / ENCODERS[recipe])]
     if recipe == "self-trained":
-        return ["--config", str(ROOT / "configs" / "self-train.toml"), "--init-from", str(out_root / "pretrain"),
+        return ["--config", str(ROOT / "configs" / "self-train.toml"), "--init-from", str(out_root / ENCODERS[recipe]),
                 f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
     if recipe == "taught":
         return [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
+    if recipe == "word-vectors":
+        return ["--init-from", str(out_root / ENCODERS[recipe])]
     if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
         with open(pretrain_toml, "rb") as f:
             sizes = tomllib.load(f)
@@ -130,13 +137,16 @@ def trained(cmd: list[str], out: Path, inputs: tuple[Path, ...] = ()) -> None:
     atomic_write_text(command_txt, command + "\n")
 
 
-def pretrained_encoder(data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
-    out = out_root / "pretrain"
+def pretrained_encoder(folder: str, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
+    """Pretrain the encoder of ENCODERS' `folder` (unless done), with its recipe; its figures."""
+    out = out_root / folder
+    recipe = "word-vectors.toml" if folder == "word-vectors" else PAIRS[pair][0]
     extra = [e for e in extra if e.split("=", 1)[0] not in {*CLASSIFIER_ONLY, *CLASSIFIER_ONLY_IN_RECIPES}]  # refused
-    trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / PAIRS[pair][0]), "--data", data, "-o", str(out),
-             *extra], out)
+    trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / recipe), "--data", data, "-o", str(out), *extra], out)
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"minutes": metrics["train_time_sec"] / 60, "tokens_per_sec": metrics["tokens_per_sec"],
+    objective = json.loads((out / "config.json").read_text())["pretrain"]["objective"]
+    return {"name": f"{folder} encoder", "objective": {"skipgram": "skip-gram"}.get(objective, "masked-LM"),
+            "minutes": metrics["train_time_sec"] / 60, "tokens_per_sec": metrics["tokens_per_sec"],
             "val": metrics["val"], "command": (out / COMMAND_FILE).read_text().strip()}
 
 
@@ -158,7 +168,7 @@ def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pai
     train_cmd = [*TFM, "train", *config_args(recipe, seed, out_root, pair), "--data", data, "-o", str(out), "--seed",
                  str(seed), *extra]
     test_json, command_txt = out / "test.json", out / COMMAND_FILE
-    inputs = ((out_root / "pretrain" / MODEL_FILE,) if recipe in ("pretrained", "self-trained") else ()) + (
+    inputs = ((out_root / ENCODERS[recipe] / MODEL_FILE,) if recipe in ENCODERS else ()) + (
         (pseudo_labels(recipe, seed, out_root),) if recipe in TEACHERS else ())
     trained(train_cmd, out, inputs)
     if not test_json.exists():
@@ -197,9 +207,9 @@ def main() -> int:
         ap.error("--pair gpu: 'self-trained' has no GPU recipe (configs/self-train.toml is sized for a CPU)")
 
     t0 = time.time()
-    pretraining = {"pretrained", "self-trained"} & set(args.recipes)
+    folders = dict.fromkeys(ENCODERS[r] for r in args.recipes if r in ENCODERS)  # each once, in order
     try:
-        encoder = pretrained_encoder(args.data, args.out, args.extra, args.pair) if pretraining else None
+        encoders = [pretrained_encoder(f, args.data, args.out, args.extra, args.pair) for f in folders]
         rows = [one(r, s, args.data, args.out, args.extra, args.pair) for r in args.recipes for s in args.seeds]
     except StepFailed as e:
         code = e.code if e.code > 0 else 128 - e.code  # killed by signal N: 128 + N, as a shell reports it
@@ -218,10 +228,10 @@ def main() -> int:
     print(f"\n{os.cpu_count()} CPUs, {(time.time() - t0) / 60:.1f} min in all\n")
     print("| recipe | seed | val acc | test acc | train time | train samples/s | eval reviews/s | command |")
     print("|---|---|---|---|---|---|---|---|")
-    if encoder is not None:
-        print(f"| pretrain | - | held-out masked-LM accuracy {encoder['val']['accuracy']:.2%} (loss "
-              f"{encoder['val']['loss']:.3f}) | - | {encoder['minutes']:.1f} min | {encoder['tokens_per_sec']:.0f} "
-              f"tokens/s | - | `{encoder['command']}` |")
+    for e in encoders:
+        print(f"| {e['name']} | - | held-out {e['objective']} accuracy {e['val']['accuracy']:.2%} (loss "
+              f"{e['val']['loss']:.3f}) | - | {e['minutes']:.1f} min | {e['tokens_per_sec']:.0f} "
+              f"tokens/s | - | `{e['command']}` |")
     for r in rows:
         print(f"| {r['recipe']} | {r['seed']} | {r['val']:.2%} | {r['test']:.2%} | {r['train_min']:.1f} min | "
               f"{r['samples_per_sec']:.0f} | {r['eval_per_sec']:.0f} | `{r['command']}` |")

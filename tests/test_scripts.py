@@ -524,14 +524,14 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     amp = result["precision"] != "fp32"  # then the straightforward step in that precision too
-    assert set(rows) == {"tfm", "straight", "electra"} | ({"straight_amp"} if amp else set())
+    assert set(rows) == {"tfm", "straight", "electra", "skipgram"} | ({"straight_amp"} if amp else set())
     assert rows["straight"]["vs_straight"] == 1.0
     for name in rows.keys() - {"straight"}:
         assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
     for r in rows.values():  # each row's share of the peak measured in the same run
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
     # the straightforward steps compute tfm's objective: the same loss on the same first batch
-    assert result["first_loss"].keys() == rows.keys() - {"electra"}
+    assert result["first_loss"].keys() == rows.keys() - {"electra", "skipgram"}
     for loss in result["first_loss"].values():
         assert loss == pytest.approx(result["first_loss"]["tfm"], rel=result["loss_tolerance"])
     if not amp:
@@ -559,7 +559,7 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
     assert done.stdout.count("$ ") == 8
     lines = done.stdout.splitlines()
     assert [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:] == [
-        "pretrain", "pretrained", "self-trained", "scratch"]
+        "pretrain encoder", "pretrained", "self-trained", "scratch"]
     tuned, student, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text())
                                for name in ("pretrained", "self-trained", "scratch"))
     assert tuned["train"]["init_from"] == student["train"]["init_from"] == str((runs / "pretrain").resolve())
@@ -571,6 +571,25 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
     assert len(labels) == 60 and {row["label"] for row in labels} <= {"neg", "pos"}
     assert student["data"]["pseudo_labels"] == str(runs / "pseudo-pretrained-s1.jsonl")
     assert student["data"]["pseudo_min_score"] == 0.9
+
+
+def test_reproduce_fine_tunes_the_default_recipe_from_word_vectors(unlabelled_data_dir, tmp_path):
+    """"word-vectors": configs/word-vectors.toml pretrains the token embedding once, and the default
+    recipe starts from it."""
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
+           "--out", str(runs), "--recipes", "word-vectors", "--seeds", "1", "--", *SHRINK, "pretrain.val_texts=40",
+           "train.batch_size=16"]
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split("|")[1].strip() for row in rows] == ["word-vectors encoder", "word-vectors"]
+    assert "held-out skip-gram accuracy" in rows[0] and "configs/word-vectors.toml" in rows[0]
+    encoder = json.loads((runs / "word-vectors" / "config.json").read_text())
+    tuned = json.loads((runs / "word-vectors-s1" / "config.json").read_text())
+    assert encoder["pretrain"]["objective"] == "skipgram"
+    assert tuned["train"]["init_from"] == str((runs / "word-vectors").resolve())
+    assert tuned["model"]["pooling"] == "max" and tuned["train"]["epochs"] == 3  # the default recipe's
 
 
 def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_labels(unlabelled_data_dir, tmp_path):

@@ -16,6 +16,9 @@ What it measures
       electra    tfm's step with pretrain.objective = "electra" (replaced-token detection: a generator
                  of pretrain.generator_layers blocks, then the encoder scores every real token), so
                  that the two objectives compare per CPU-second
+      skipgram   tfm's step with pretrain.objective = "skipgram" (word2vec's word vectors: the token
+                 embedding alone) on as many batches of whole texts from the same corpus, drawn by
+                 the same sampler; its FLOPs are its dot products (no matmuls)
 
     The first batch's loss of each straightforward step must equal tfm's (same weights, same batch)
     within a tolerance of the precision (1e-3 relative in fp32, 3e-2 in bf16/fp16), or the script
@@ -50,7 +53,14 @@ import torch.nn.functional as F
 from transformer_cli.config import load_config, parse_overrides
 from transformer_cli.data import CLS_ID, BucketSampler, Encoded
 from transformer_cli.model import MaskedLM
-from transformer_cli.pretrain import Corpus, MaskedLanguageModelling, prepare_corpus, pretraining_model
+from transformer_cli.pretrain import (
+    NEGATIVES,
+    Corpus,
+    MaskedLanguageModelling,
+    SkipGramTask,
+    prepare_corpus,
+    pretraining_model,
+)
 from transformer_cli.runtime import make_runtime
 from transformer_cli.train import build_run, seed_everything, train_step
 
@@ -116,10 +126,17 @@ def main(argv=None) -> int:
     amp_cpu = rt.amp_dtype is not None and not on_gpu  # then also the straightforward step in that precision
     electra_cfg = cfg.replace(pretrain={"objective": "electra"})
     electra = pretraining_model(electra_cfg, vocab)
-    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as out2:
+    skipgram_cfg = cfg.replace(pretrain={"objective": "skipgram", "mask_prob": 0.15, "window": 0})  # its defaults
+    skipgram, skipgram_task = pretraining_model(skipgram_cfg, vocab), SkipGramTask(corpus, vocab)
+    skipgram_sampler = BucketSampler(skipgram_task.lengths, cfg.train.batch_size, cfg.train.seed)
+    skipgram_batches = [skipgram_task.batch(rt, idx) for idx in skipgram_sampler.batches(0)[:n_batches]]
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as out2, \
+            tempfile.TemporaryDirectory() as out3:
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before any step changes it
         run = build_run(cfg.replace(train={"output_dir": out}), rt, model, task, None, False, {})
         electra_run = build_run(electra_cfg.replace(train={"output_dir": out2}), rt, electra, task, None, False, {})
+        skipgram_run = build_run(skipgram_cfg.replace(train={"output_dir": out3}), rt, skipgram, skipgram_task, None,
+                                 False, {})
 
         def straightforward(amp: bool):
             """The straightforward step on its own copy of the model's initial weights."""
@@ -147,6 +164,7 @@ def main(argv=None) -> int:
         if amp_cpu:
             variants["straight_amp"] = straightforward(True)
         variants["electra"] = lambda b: train_step(electra_run, [b])
+        variants["skipgram"] = lambda i: train_step(skipgram_run, [skipgram_batches[i]])
         first_loss: dict[str, float] = {}
         times = {name: [] for name in variants}
         max_n = 8192 if on_gpu else 2048  # a GPU reaches its peak only on large products
@@ -157,29 +175,31 @@ def main(argv=None) -> int:
             for name, step in variants.items():
                 bc.synchronize(rt.device)
                 t0 = bc.now()
-                loss = step(batch)
+                loss = step(i if name == "skipgram" else batch)
                 bc.synchronize(rt.device)
-                if i == 0 and name != "electra":  # the same weights and batch: the same loss
+                if i == 0 and name not in ("electra", "skipgram"):  # the same weights and batch: the same loss
                     first_loss[name] = float(loss)
                 if i >= args.warmup:
                     times[name].append(bc.now() - t0)
             for peak in peaks.values():
                 peak.sample()
 
-    timed = batches[args.warmup:]
-    tokens = sum(b.tokens for b in timed)
+    timed, skipgram_timed = batches[args.warmup:], skipgram_batches[args.warmup:]
+    tokens = {name: sum(b.tokens for b in timed) for name in times}
+    tokens["skipgram"] = sum(b.tokens for b in skipgram_timed)
     every_position = sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.tensors[0].numel(), vocab)) for b in timed)
     flops = {
         "tfm": sum(3 * (encoder_flops(cfg, b) + head_flops(cfg, b.units, vocab)) for b in timed),
         "straight": every_position, "straight_amp": every_position,  # the same step, in fp32 and under autocast
         "electra": sum(3 * (encoder_flops(cfg, b) * (1 + cfg.pretrain.generator_layers / cfg.model.n_layers)
                             + head_flops(cfg, b.units, vocab)) for b in timed),
+        "skipgram": sum(3 * 2 * b.units * (NEGATIVES + 1) * cfg.model.d_model for b in skipgram_timed),
     }
     rows = []
     for name, ts in times.items():
         seconds = sum(ts)
         gflops = flops[name] / seconds / 1e9
-        row = {"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens / seconds,
+        row = {"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens[name] / seconds,
                "gflops": gflops, "pct_peak": 100 * gflops / peaks["fp32"].gflops}
         if rt.amp_dtype is not None:  # for the rows under autocast: a fp32 step has no such ceiling
             row["pct_amp_peak"] = None if name == "straight" and not on_gpu else 100 * gflops / peaks[rt.precision].gflops
