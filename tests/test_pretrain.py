@@ -303,6 +303,9 @@ def test_skipgram_loss_equals_word2vecs_negative_sampling_loss():
     torch.testing.assert_close(model.context.weight.grad, ctx.grad, rtol=1e-4, atol=1e-6)
     learning = {name for name, p in model.named_parameters() if p.requires_grad}
     assert learning == {"encoder.tok_emb.weight", "context.weight"}
+    groups = model.param_groups(0.0, layer_lr_decay=0.5)  # the optimizer's: the frozen encoder has no group
+    scales = {id(p): group["lr_scale"] for group in groups for p in group["params"]}
+    assert scales == {id(model.encoder.tok_emb.weight): 0.5 ** (cfg.n_layers + 1), id(model.context.weight): 1.0}
     empty = torch.zeros(0, dtype=torch.long)
     assert model(empty, empty, negatives[:0])[0].item() == 0.0  # a batch without pairs
 

@@ -514,7 +514,7 @@ class SkipGram(nn.Module):
         return loss, {"accuracy": right}
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
-        return decay_groups(list(self.parameters()), weight_decay)
+        return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
