@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli.config import load_config, parse_overrides
+from transformer_cli.config import PretrainConfig, load_config, parse_overrides
 from transformer_cli.data import CLS_ID, BucketSampler, Encoded
 from transformer_cli.model import MaskedLM
 from transformer_cli.pretrain import (
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     amp_cpu = rt.amp_dtype is not None and not on_gpu  # then also the straightforward step in that precision
     electra_cfg = cfg.replace(pretrain={"objective": "electra"})
     electra = pretraining_model(electra_cfg, vocab)
-    skipgram_cfg = cfg.replace(pretrain={"objective": "skipgram", "mask_prob": 0.15, "window": 0})  # its defaults
+    others = ("mask_prob", "window", "generator_layers", "detection_weight")  # the other objectives': at their defaults
+    skipgram_cfg = cfg.replace(pretrain={"objective": "skipgram", **{f: getattr(PretrainConfig(), f) for f in others}})
     skipgram, skipgram_task = pretraining_model(skipgram_cfg, vocab), SkipGramTask(corpus, vocab)
     skipgram_sampler = BucketSampler(skipgram_task.lengths, cfg.train.batch_size, cfg.train.seed)
     skipgram_batches = [skipgram_task.batch(rt, idx) for idx in skipgram_sampler.batches(0)[:n_batches]]
