@@ -54,7 +54,7 @@ import tomllib
 from pathlib import Path
 
 from transformer_cli.checkpoint import MODEL_FILE
-from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, ENCODER_FIELDS
+from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, ENCODER_FIELDS, OBJECTIVE_NAMES
 from transformer_cli.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +145,7 @@ def pretrained_encoder(folder: str, data: str, out_root: Path, extra: list[str],
     trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / recipe), "--data", data, "-o", str(out), *extra], out)
     metrics = json.loads((out / "metrics.json").read_text())
     objective = json.loads((out / "config.json").read_text())["pretrain"]["objective"]
-    return {"name": f"{folder} encoder", "objective": {"skipgram": "skip-gram"}.get(objective, "masked-LM"),
+    return {"name": f"{folder} encoder", "objective": OBJECTIVE_NAMES[objective],
             "minutes": metrics["train_time_sec"] / 60, "tokens_per_sec": metrics["tokens_per_sec"],
             "val": metrics["val"], "command": (out / COMMAND_FILE).read_text().strip()}
 

@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import check_command_overrides, load_config, parse_overrides, read_toml
+from transformer_cli.config import OBJECTIVE_NAMES, check_command_overrides, load_config, parse_overrides, read_toml
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
@@ -256,7 +256,7 @@ def pretrain(
     if os.environ.get("RANK", "0") != "0":
         return
     val, metric = metrics["val"], metrics["select_metric"]
-    objective = {"mlm": "masked-LM", "electra": "ELECTRA", "skipgram": "skip-gram"}[cfg.pretrain.objective]
+    objective = OBJECTIVE_NAMES[cfg.pretrain.objective]
     other = "accuracy" if metric == "loss" else "loss"
     typer.echo(f"done: best held-out {objective} {metric} {val[metric]:.4f} ({other} {val[other]:.4f}) at step "
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")

@@ -298,6 +298,9 @@ class TrainConfig(_Section):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
 
 
+OBJECTIVE_NAMES = {"mlm": "masked-LM", "electra": "ELECTRA", "skipgram": "skip-gram"}  # pretrain.objective, in words
+
+
 @dataclass(frozen=True)
 class PretrainConfig(_Section):
     """`tfm pretrain`: self-supervised training of the encoder on unlabelled text."""
