@@ -241,8 +241,9 @@ def pretrain(
     device: TrainDevice = None, precision: Precision = None, max_train_samples: MaxTrainSamples = None,
     resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
 ) -> None:
-    """Pretrain the encoder on unlabelled text (masked-LM or ELECTRA) and write OUTPUT_DIR (default runs/pretrain):
-    model.safetensors, config.json, tokenizer.json, metrics.json, events. `tfm train --init-from` reads it."""
+    """Pretrain the encoder on unlabelled text (masked-LM, ELECTRA or word vectors) and write OUTPUT_DIR
+    (default runs/pretrain): model.safetensors, config.json, tokenizer.json, metrics.json, events.
+    `tfm train --init-from` reads it."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
     cfg = _training_config("pretrain", config, overrides, options)
