@@ -20,7 +20,6 @@ for each seed `tfm train --init-from OUT/word-vectors`.
 "taught" is the default recipe taught by the "wide-and-deep" run of its seed: that run labels the
 `unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
 train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
-"taught-word-vectors" is both: the default recipe from the word vectors, taught by the same labels.
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch".
 
@@ -59,17 +58,15 @@ from transformer_cli.config import CLASSIFIER_ONLY, CLASSIFIER_ONLY_IN_RECIPES, 
 from transformer_cli.fileio import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = ("default", "pretrained", "self-trained", "scratch", "word-vectors", "wide-and-deep", "taught",
-           "taught-word-vectors", "seed")
+RECIPES = ("default", "pretrained", "self-trained", "scratch", "word-vectors", "wide-and-deep", "taught", "seed")
 # A student recipe's teacher: the run of the student's seed that labels the unlabelled reviews for it.
-TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep", "taught-word-vectors": "wide-and-deep"}
+TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
 PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml")}
 # The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
-ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors",
-            "taught-word-vectors": "word-vectors"}
+ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.
 COMMAND_FILE = "command.txt"
 
@@ -107,11 +104,10 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
     if recipe == "self-trained":
         return ["--config", str(ROOT / "configs" / "self-train.toml"), "--init-from", str(out_root / ENCODERS[recipe]),
                 f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
-    if recipe in ("taught", "word-vectors", "taught-word-vectors"):  # the default recipe, from ENCODERS, taught
-        encoder = ["--init-from", str(out_root / ENCODERS[recipe])] if recipe in ENCODERS else []
-        labels = [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"] if (
-            recipe in TEACHERS) else []
-        return encoder + labels
+    if recipe == "taught":
+        return [f"data.pseudo_labels={json.dumps(str(pseudo_labels(recipe, seed, out_root)))}"]
+    if recipe == "word-vectors":
+        return ["--init-from", str(out_root / ENCODERS[recipe])]
     if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
         with open(pretrain_toml, "rb") as f:
             sizes = tomllib.load(f)

@@ -575,27 +575,21 @@ def test_reproduce_pretrains_once_fine_tunes_self_trains_and_runs_the_ablation(u
 
 def test_reproduce_fine_tunes_the_default_recipe_from_word_vectors(unlabelled_data_dir, tmp_path):
     """"word-vectors": configs/word-vectors.toml pretrains the token embedding once, and the default
-    recipe starts from it; "taught-word-vectors" starts from the same vectors and trains on the
-    wide-and-deep run's labels too."""
+    recipe starts from it."""
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
-           "--out", str(runs), "--recipes", "word-vectors", "taught-word-vectors", "--seeds", "1", "--", *SHRINK,
-           "pretrain.val_texts=40", "train.batch_size=16"]
+           "--out", str(runs), "--recipes", "word-vectors", "--seeds", "1", "--", *SHRINK, "pretrain.val_texts=40",
+           "train.batch_size=16"]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
-    assert [row.split("|")[1].strip() for row in rows] == ["word-vectors encoder", "word-vectors", "taught-word-vectors"]
+    assert [row.split("|")[1].strip() for row in rows] == ["word-vectors encoder", "word-vectors"]
     assert "held-out skip-gram accuracy" in rows[0] and "configs/word-vectors.toml" in rows[0]
-    assert sum(" pretrain " in line for line in done.stdout.splitlines() if line.startswith("$ ")) == 1  # shared
     encoder = json.loads((runs / "word-vectors" / "config.json").read_text())
-    tuned, taught = (json.loads((runs / f"{name}-s1" / "config.json").read_text())
-                     for name in ("word-vectors", "taught-word-vectors"))
+    tuned = json.loads((runs / "word-vectors-s1" / "config.json").read_text())
     assert encoder["pretrain"]["objective"] == "skipgram"
-    assert tuned["train"]["init_from"] == taught["train"]["init_from"] == str((runs / "word-vectors").resolve())
+    assert tuned["train"]["init_from"] == str((runs / "word-vectors").resolve())
     assert tuned["model"]["pooling"] == "max" and tuned["train"]["epochs"] == 3  # the default recipe's
-    assert tuned["data"]["pseudo_labels"] is None
-    assert taught["data"]["pseudo_labels"] == str(runs / "pseudo-wide-and-deep-s1.jsonl")
-    assert taught["model"]["ngram_buckets"] == 0 and taught["data"]["pseudo_min_score"] == 0.0
 
 
 def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_labels(unlabelled_data_dir, tmp_path):
