@@ -264,8 +264,8 @@ def test_parts_of_a_known_review_are_left_out_with_it(synthetic_data_dir, tmp_pa
             {"text": train_raw.texts[0], "label": "neg", "score": 0.99, "review": 2},
             {"text": "a fresh unlabelled", "label": "pos", "score": 0.91, "review": 0},
             {"text": "review, loved it", "label": "pos", "score": 0.93, "review": 0},
-            {"text": " ".join(test_text.split(" ")[:3]), "label": "pos", "score": 0.95, "review": 1},
-            {"text": " ".join(train_raw.texts[0].split(" ")[-3:]), "label": "neg", "score": 0.95, "review": 2}]
+            {"text": "a part of the test review", "label": "pos", "score": 0.95, "review": 1},
+            {"text": "a part of the train review", "label": "neg", "score": 0.95, "review": 2}]
     plain = prepare_train_data(base, seed=0)
     mixed = prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "p.jsonl", rows)), seed=0,
                                tokenizer=plain.tokenizer)
@@ -281,20 +281,6 @@ def test_a_part_whose_review_is_not_an_earlier_row_is_refused(synthetic_data_dir
     rows = [{"text": "a review", "label": "pos", "score": 0.95, "review": review},
             {"text": "another review", "label": "pos", "score": 0.95, "review": 1}]
     with pytest.raises(TfmError, match="reviews that are not rows before their parts"):
-        prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "p.jsonl", rows)), seed=0)
-
-
-def test_files_joined_end_to_end_are_refused(synthetic_data_dir, tmp_path):
-    """The second file's parts name rows of the first: which parts to leave out would be decided by the
-    wrong reviews."""
-    def labelled(first: str, second: str) -> list[dict]:
-        review = f"{first} {second}"
-        return [{"text": review, "label": "pos", "score": 0.95, "review": 0},
-                {"text": first, "label": "pos", "score": 0.9, "review": 0},
-                {"text": second, "label": "pos", "score": 0.9, "review": 0}]
-
-    rows = labelled("a fine film,", "loved every minute") + labelled("a dull film,", "hated every minute")
-    with pytest.raises(TfmError, match=r"parts that are not in the review their row names.*renumbered"):
         prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "p.jsonl", rows)), seed=0)
 
 

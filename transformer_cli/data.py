@@ -968,9 +968,6 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
     reviews = d["review"] if "review" in d.column_names else range(len(d))
     if not all(type(r) is int and 0 <= r <= i for i, r in enumerate(reviews)):
         raise TfmError(f"'{path}' has reviews that are not rows before their parts; write it with `tfm pseudo-label`")
-    if not all(text in rows.texts[r] for text, r in zip(rows.texts, reviews)):  # e.g. files joined end to end
-        raise TfmError(f"'{path}' has parts that are not in the review their row names; write it with one "
-                       "`tfm pseudo-label` (joined files need their review rows renumbered)")
     seen, keep = set(known), []
     for i, (text, score, review) in enumerate(zip(rows.texts, scores, reviews)):
         if score >= cfg.pseudo_min_score and text not in seen and rows.texts[review] not in known:
