@@ -18,9 +18,8 @@ configs/self-train.toml --init-from OUT/pretrain data.pseudo_labels=OUT/pseudo-p
 configs/word-vectors.toml --data DATA -o OUT/word-vectors` (the row "word-vectors encoder"), then
 for each seed `tfm train --init-from OUT/word-vectors`.
 "taught" is the default recipe taught by the "wide-and-deep" run of its seed: that run labels the
-`unsupervised` split's reviews and their halves (`tfm pseudo-label --parts 2`, into
-OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on train and all of those
-labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
+`unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
+train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch".
 
@@ -62,8 +61,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("default", "pretrained", "self-trained", "scratch", "word-vectors", "wide-and-deep", "taught", "seed")
 # A student recipe's teacher: the run of the student's seed that labels the unlabelled reviews for it.
 TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
-# How a student recipe's teacher labels them, beyond `tfm pseudo-label`'s defaults.
-LABEL_ARGS = {"taught": ["--parts", "2"]}
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
@@ -160,8 +157,7 @@ def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: lis
     labels = pseudo_labels(recipe, seed, out_root)
     # Written whole or not at all; labelled again when the teacher was trained again since.
     if not labels.exists() or (teacher / MODEL_FILE).stat().st_mtime > labels.stat().st_mtime:
-        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(labels), "--force",
-             *LABEL_ARGS.get(recipe, [])])
+        run([*TFM, "pseudo-label", "-c", str(teacher), "--data", data, "-o", str(labels), "--force"])
 
 
 def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:

@@ -39,42 +39,6 @@ def test_pseudo_label_writes_what_predict_says_of_each_review(trained_dir, unlab
     assert f"{len(rows)} reviews ({counts['neg']} neg, {counts['pos']} pos)" in r.stdout
 
 
-def test_parts_follow_the_reviews_labelled_as_predict_labels_them(trained_dir, unlabelled, tmp_path):
-    """--parts 2: after every whole review, each long enough review's two halves, cut at its middle word,
-    with the label and score `tfm predict` gives the half and the row of the review it was cut from."""
-    from transformer_cli.pseudo import PART_MIN_WORDS, review_parts
-
-    texts = [*unlabelled[1], "too short to cut"]
-    data = write_jsonl(tmp_path / "unl.jsonl", [{"text": t} for t in texts])
-    out = tmp_path / "pseudo.jsonl"
-    r = tfm("pseudo-label", "-c", trained_dir, "--data", f"unsupervised={data}", "-o", out, "--parts", "2")
-    assert r.exit_code == 0, r.stderr
-    rows = read_jsonl(out)
-    assert [(row["text"], row["review"]) for row in rows[: len(texts)]] == [(t, i) for i, t in enumerate(texts)]
-    halves = [(half, i) for i, t in enumerate(texts) for half in review_parts(t, 2)]
-    assert [(row["text"], row["review"]) for row in rows[len(texts):]] == halves
-    assert 0 < len(halves) < 2 * len(texts)  # the short review is not cut
-    for half, i in halves:
-        words = texts[i].split(" ")
-        assert len(words) >= 2 * PART_MIN_WORDS and half in (" ".join(words[: len(words) // 2]),
-                                                            " ".join(words[len(words) // 2:]))
-    inputs = tmp_path / "halves.txt"
-    inputs.write_text("".join(half + "\n" for half, _ in halves), encoding="utf-8")
-    predicted = json_lines(tfm("predict", "-c", trained_dir, "--json", "--file", inputs).stdout)
-    assert [row["label"] for row in rows[len(texts):]] == [p["label"] for p in predicted]
-    assert [row["score"] for row in rows[len(texts):]] == pytest.approx([p["score"] for p in predicted], abs=1e-6)
-    assert f"{len(texts)} reviews and {len(halves)} parts of them (" in r.stdout
-
-
-def test_review_parts_cover_the_review_in_order():
-    from transformer_cli.pseudo import PART_MIN_WORDS, review_parts
-
-    words = [f"w{i}" for i in range(3 * PART_MIN_WORDS + 2)]
-    thirds = review_parts(" ".join(words), 3)
-    assert " ".join(thirds) == " ".join(words) and [len(p.split(" ")) for p in thirds] == [10, 11, 11]
-    assert review_parts(" ".join(words), 1) == [] and review_parts(" ".join(words), 4) == []  # 8 words a part
-
-
 def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch):
     """Two teachers: the mean of their probabilities, whose winner may be neither one's."""
     from datasets import Dataset
@@ -87,9 +51,9 @@ def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch
     monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
     out = tmp_path / "p.jsonl"
     summary = pseudo.pseudo_label([trained_dir, trained_dir], out)
-    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.75, "review": 0},
-                               {"text": "second review", "label": "neg", "score": 0.6, "review": 1},
-                               {"text": "third review", "label": "neg", "score": 0.55, "review": 2}]
+    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.75},
+                               {"text": "second review", "label": "neg", "score": 0.6},
+                               {"text": "third review", "label": "neg", "score": 0.55}]
     assert summary["per_class"] == {"neg": 3, "pos": 0}
 
 
@@ -110,8 +74,8 @@ def test_teachers_that_list_their_classes_in_other_orders_average_them_by_name(t
     monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
     out = tmp_path / "p.jsonl"
     summary = pseudo.pseudo_label([trained_dir, tmp_path / "other"], out)
-    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.8, "review": 0},
-                               {"text": "second review", "label": "pos", "score": 0.8, "review": 1}]
+    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.8},
+                               {"text": "second review", "label": "pos", "score": 0.8}]
     assert summary["per_class"] == {"neg": 1, "pos": 1}
 
 
@@ -251,37 +215,6 @@ def test_pseudo_labelled_reviews_join_the_training_part_only(synthetic_data_dir,
     np.testing.assert_array_equal(mixed.val.ids, plain.val.ids)
     everything = prepare_train_data(pseudo_cfg(synthetic_data_dir, path), seed=0)
     assert len(everything.train) == len(plain.train) + 3  # every score, less the known reviews and the copy
-
-
-def test_parts_of_a_known_review_are_left_out_with_it(synthetic_data_dir, tmp_path):
-    """A part of a test or training review (IMDB's unlabelled split repeats some) is not trained on, though
-    its text is not that review's; the parts of other reviews are, as are files written before parts."""
-    base = DataConfig(source=str(synthetic_data_dir), vocab_size=200, max_length=64)
-    train_raw, _, _, _ = train_val_splits(base, seed=0)
-    test_text = json.loads((synthetic_data_dir / "test.jsonl").read_text().splitlines()[0])["text"]
-    rows = [{"text": "a fresh unlabelled review, loved it", "label": "pos", "score": 0.97, "review": 0},
-            {"text": test_text, "label": "pos", "score": 0.99, "review": 1},
-            {"text": train_raw.texts[0], "label": "neg", "score": 0.99, "review": 2},
-            {"text": "a fresh unlabelled", "label": "pos", "score": 0.91, "review": 0},
-            {"text": "review, loved it", "label": "pos", "score": 0.93, "review": 0},
-            {"text": "a part of the test review", "label": "pos", "score": 0.95, "review": 1},
-            {"text": "a part of the train review", "label": "neg", "score": 0.95, "review": 2}]
-    plain = prepare_train_data(base, seed=0)
-    mixed = prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "p.jsonl", rows)), seed=0,
-                               tokenizer=plain.tokenizer)
-    assert len(mixed.train) == len(plain.train) + 3  # the fresh review and its two parts
-    old = [{k: v for k, v in row.items() if k != "review"} for row in rows]  # every row its own review
-    before = prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "old.jsonl", old)), seed=0,
-                                tokenizer=plain.tokenizer)
-    assert len(before.train) == len(plain.train) + 5
-
-
-@pytest.mark.parametrize("review", [1, -1, None, 0.5])
-def test_a_part_whose_review_is_not_an_earlier_row_is_refused(synthetic_data_dir, tmp_path, review):
-    rows = [{"text": "a review", "label": "pos", "score": 0.95, "review": review},
-            {"text": "another review", "label": "pos", "score": 0.95, "review": 1}]
-    with pytest.raises(TfmError, match="reviews that are not rows before their parts"):
-        prepare_train_data(pseudo_cfg(synthetic_data_dir, write_jsonl(tmp_path / "p.jsonl", rows)), seed=0)
 
 
 def test_a_test_split_without_labels_does_not_stop_self_training(tmp_path):

@@ -946,8 +946,7 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
 
 def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str]) -> RawSplit:
     """The reviews of `tfm pseudo-label`'s file `cfg.pseudo_labels` labelled with a score of at least
-    `cfg.pseudo_min_score`, each once, less any whose text, or whose review's text (the column `review`:
-    the row a part was cut from), is in `known` (see prepare_train_data)."""
+    `cfg.pseudo_min_score`, each once, less any whose text is in `known` (see prepare_train_data)."""
     path = cfg.pseudo_labels
     if not Path(path).is_file():
         raise UsageError(f"data.pseudo_labels = '{path}' is not a file; write one with `tfm pseudo-label`")
@@ -964,13 +963,9 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
     scores = np.asarray([s if type(s) in (int, float) else None for s in d["score"]], dtype=np.float64)
     if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
         raise TfmError(f"'{path}' has scores that are not numbers in [0, 1]; write it with `tfm pseudo-label`")
-    # Each row's review: its own row unless it is a part of one (files before parts have no column).
-    reviews = d["review"] if "review" in d.column_names else range(len(d))
-    if not all(type(r) is int and 0 <= r <= i for i, r in enumerate(reviews)):
-        raise TfmError(f"'{path}' has reviews that are not rows before their parts; write it with `tfm pseudo-label`")
     seen, keep = set(known), []
-    for i, (text, score, review) in enumerate(zip(rows.texts, scores, reviews)):
-        if score >= cfg.pseudo_min_score and text not in seen and rows.texts[review] not in known:
+    for i, (text, score) in enumerate(zip(rows.texts, scores)):
+        if score >= cfg.pseudo_min_score and text not in seen:
             seen.add(text)
             keep.append(i)
     if not keep:

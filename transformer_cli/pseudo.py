@@ -6,18 +6,14 @@ keeping the pseudo-labels its teacher was sure of (`data.pseudo_min_score`). The
 the transformer alone: the teachers are `tfm train` runs too. Several teachers average their
 calibrated probabilities, class by class (by name: their classes may be listed in different orders).
 
-The file is JSON lines, one per review in the split's order: {"text", "label", "score", "review"},
-where score is the (averaged) probability of the label and review the row of the review it was cut
-from (its own row). With `parts` > 1 each review's consecutive parts follow, labelled alike: more
-examples of what the teachers know, as in distillation with augmented data (Tang et al. 2019), and
-a part's review tells the student which parts to leave out with it (a test review, say). Validation
-and test labels are never read. The split is read from its memory-mapped table and labelled and
-written a chunk at a time, so a split larger than memory can be labelled.
+The file is JSON lines, one per review in the split's order: {"text", "label", "score"}, where
+score is the (averaged) probability of the label. Validation and test labels are never read. The
+split is read from its memory-mapped table and labelled and written a chunk at a time, so a split
+larger than memory can be labelled.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from pathlib import Path
@@ -38,17 +34,6 @@ from transformer_cli.fileio import atomic_writer, check_output_path
 
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
 CHUNK_TEXTS = 4096  # reviews read, labelled and written at a time: one chunk is in memory, whatever the split's size
-PART_MIN_WORDS = 10  # a review is cut into parts only when each part has at least this many words
-
-
-def review_parts(text: str, parts: int) -> list[str]:
-    """`text` cut at spaces into `parts` consecutive parts of (nearly) equal numbers of words; none when a
-    part would have fewer than PART_MIN_WORDS words, or when `parts` is 1 (the review is its own row)."""
-    words = text.split(" ")
-    if parts < 2 or len(words) < parts * PART_MIN_WORDS:
-        return []
-    cuts = [len(words) * i // parts for i in range(parts + 1)]
-    return [" ".join(words[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
 def split_table(source: str, split: str, column: str, max_samples: int | None = None):
@@ -90,12 +75,12 @@ def check_output(output: Path, source: str, force: bool) -> None:
 
 def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, split: str = UNLABELLED_SPLIT,
                  max_samples: int | None = None, device: str = "auto", batch_size: int = 64,
-                 precision: str | None = None, force: bool = False, parts: int = 1) -> dict:
-    """Write `output` (JSON lines: text, label, score, review) with the teachers' averaged calibrated
+                 precision: str | None = None, force: bool = False) -> dict:
+    """Write `output` (JSON lines: text, label, score) with the teachers' averaged calibrated
     probabilities on `split` of `data` (default: the first teacher's dataset), CHUNK_TEXTS reviews at a
-    time, then on each review's `parts` parts (review_parts); the file appears whole when every row is
-    labelled. An existing `output` is replaced only with `force`, and never when it is one of the data's
-    files. Returns a summary: reviews, parts, per-class counts and median score of every row, seconds."""
+    time; the file appears whole when every review is labelled. An existing `output` is replaced only
+    with `force`, and never when it is one of the data's files. Returns a summary: reviews, per-class
+    counts, median score, seconds."""
     if not teachers:
         raise UsageError("pass at least one teacher with -c DIR (the output directory of `tfm train`)")
     if split == "test":
@@ -114,35 +99,22 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
     table = split_table(source, split, column, max_samples)
     t0 = time.perf_counter()
     scores, counts = [], np.zeros(len(labels), dtype=np.int64)
-
-    def write(f, texts: list[str], reviews: list[int]) -> None:
-        probs = np.zeros((len(texts), len(labels)))
-        for (rt, model, cfg, tokenizer, _, temperature), order in zip(loaded, columns):
-            d = cfg.data
-            probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
-                                   batch_size, temperature)[:, order]
-        probs /= len(teachers)
-        winner, score = probs.argmax(1), probs.max(1)
-        f.write("".join(json.dumps({"text": text, "label": labels[k], "score": round(float(p), 6), "review": r})
-                        + "\n" for text, k, p, r in zip(texts, winner, score, reviews)).encode("utf-8"))
-        scores.append(score)
-        counts[:] += np.bincount(winner, minlength=len(labels))
-
     with atomic_writer(output) as f:
-        row = 0
         for texts in text_chunks([table], column, CHUNK_TEXTS):
-            write(f, texts, list(range(row, row + len(texts))))
-            row += len(texts)
-        reviews, row = row, 0
-        for texts in text_chunks([table], column, CHUNK_TEXTS) if parts > 1 else ():
-            cut = [(part, row + i) for i, text in enumerate(texts) for part in review_parts(text, parts)]
-            if cut:
-                write(f, [part for part, _ in cut], [r for _, r in cut])
-            row += len(texts)
+            probs = np.zeros((len(texts), len(labels)))
+            for (rt, model, cfg, tokenizer, _, temperature), order in zip(loaded, columns):
+                d = cfg.data
+                probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
+                                       batch_size, temperature)[:, order]
+            probs /= len(teachers)
+            winner, score = probs.argmax(1), probs.max(1)
+            f.write("".join(json.dumps({"text": text, "label": labels[k], "score": round(float(p), 6)}) + "\n"
+                            for text, k, p in zip(texts, winner, score)).encode("utf-8"))
+            scores.append(score)
+            counts += np.bincount(winner, minlength=len(labels))
     scores = np.concatenate(scores)
     return {
-        "reviews": reviews,
-        "parts": len(scores) - reviews,
+        "reviews": len(scores),
         "per_class": {name: int(n) for name, n in zip(labels, counts)},
         "median_score": float(np.median(scores)),
         "seconds": time.perf_counter() - t0,
