@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import transformer_cli  # noqa: F401  first: it sets OpenMP's spin count before a test module loads torch
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 # torch.compile's CPU backend builds C++ kernels; without a compiler it cannot run at all.

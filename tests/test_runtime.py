@@ -154,3 +154,19 @@ def test_a_bf16_training_run_follows_the_fp32_run(synthetic_data_dir, tmp_path, 
         torch.testing.assert_close(weights["bf16"][name], w, atol=0.05, rtol=0.05, msg=name)
     assert bf16["val"]["loss"] == pytest.approx(fp32["val"]["loss"], rel=0.05)
     assert abs(bf16["val"]["accuracy"] - fp32["val"]["accuracy"]) <= 0.1
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, "1000"), ({"GOMP_SPINCOUNT": "5"}, "5"), ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, None)])
+def test_openmp_threads_yield_soon_unless_the_user_says_otherwise(env, expected):
+    """Set on import, before torch loads libgomp (scripts/bench/bench_threads.py measures why)."""
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = "import os, transformer_cli; print(os.environ.get('GOMP_SPINCOUNT'))"
+    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == str(expected)
