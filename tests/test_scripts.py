@@ -144,7 +144,9 @@ def test_faithfulness_refuses_an_impossible_measure_before_loading(args, tmp_pat
     (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2),
     (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "1k"], 2),  # before the measurements
     (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "0,-5"], 2),
-    (["bench_data.py", "--data", "{missing}", "--cached-runs", "2"], 2)])  # the median of two is no run: said first
+    (["bench_data.py", "--data", "{missing}", "--cached-runs", "2"], 2),
+    (["bench_threads.py", "--steps", "0"], 2), (["bench_threads.py", "--config", "{missing}.toml"], 2),
+    (["bench_threads.py", "--data", "{missing}", "--steps", "1", "--rounds", "1"], 2)])  # its first child's error  # the median of two is no run: said first
 def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     missing = str(tmp_path / "nothing")
     done = run([sys.executable, str(REPO / "scripts" / "bench" / script[0]),
@@ -159,7 +161,7 @@ def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
 
 @pytest.mark.parametrize(("script", "args"), [
     ("bench_data", []), ("bench_infer", ["-c", "run"]), ("bench_onnx", ["-c", "run"]), ("bench_pretrain", []),
-    ("bench_train", []), ("loadtest_serve", ["-c", "run"])])
+    ("bench_train", []), ("bench_threads", []), ("loadtest_serve", ["-c", "run"])])
 def test_script_defaults_name_the_checkouts_files_from_any_folder(script, args, tmp_path, monkeypatch):
     """Default paths resolve against the repository; a path the user gives stays relative to the working folder."""
     from transformer_cli.config import load_config
@@ -676,3 +678,20 @@ def test_calibration_check_reads_labels_as_the_models_classes(model_dir, synthet
     assert out["num_examples"] == expected["num_examples"] == 100
     assert out["test_accuracy"] == pytest.approx(expected["accuracy"]) and expected["accuracy"] > 0.5
     assert out["test_nll_after"] == pytest.approx(expected["loss"], abs=1e-6)
+
+
+def test_bench_threads_times_each_spin_count_alone_and_in_pairs(synthetic_data_dir, tmp_path):
+    out = tmp_path / "threads.json"
+    done = run([sys.executable, str(REPO / "scripts" / "bench" / "bench_threads.py"), "--config",
+                str(REPO / "configs" / "tiny.toml"), "--data", str(synthetic_data_dir), "--steps", "2", "--rounds", "1",
+                "--json", str(out)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [r["setting"] for r in result["rows"]] == ["libgomp", "tfm"]
+    assert {k: len(v) for k, v in result["runs_alone"].items()} == {"libgomp": 1, "tfm": 1}
+    assert {k: len(v) for k, v in result["runs_pair"].items()} == {"libgomp": 2, "tfm": 2}
+    base, ours = result["rows"]
+    assert all(s > 0 for r in result["rows"] for s in (r["alone_s"], r["pair_s"]))
+    assert result["alone_tfm_over_libgomp"] == pytest.approx(ours["alone_s"] / base["alone_s"])
+    assert result["pair_tfm_over_libgomp"] == pytest.approx(ours["pair_s"] / base["pair_s"])
+    assert "tfm / libgomp: alone" in done.stdout
