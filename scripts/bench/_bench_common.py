@@ -226,19 +226,24 @@ def child_env(extra: dict | None = None) -> dict:
 def run_timed(cmd: Sequence[str], env: dict | None = None,
               cwd: str | Path = REPO) -> tuple[float, subprocess.CompletedProcess]:
     """(wall seconds, completed process) of one subprocess run in `cwd` (default: the repository, so
-    paths in `cmd` must be absolute), output captured. A failed one raises TfmError with the last
-    line it wrote on stderr (a tfm error says it there)."""
-    from transformer_cli.errors import TfmError
-
+    paths in `cmd` must be absolute), output captured. A failed one raises child_failed's error."""
     t0 = now()
     proc = subprocess.run(list(cmd), env=env or child_env(), cwd=cwd, capture_output=True, text=True, check=False)
     wall = now() - t0
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-        error = TfmError(f"`{' '.join(cmd)}` exited with {proc.returncode}: {last}")
-        error.exit_code = proc.returncode if proc.returncode in (1, 2) else 1
-        raise error
+        raise child_failed(cmd, proc.returncode, proc.stderr)
     return wall, proc
+
+
+def child_failed(cmd: Sequence[str], code: int, stderr: str) -> Exception:
+    """The TfmError for a child process that exited with `code`: the last line it wrote on stderr
+    (a tfm error says it there), and its exit code where that is tfm's (1 runtime, 2 usage)."""
+    from transformer_cli.errors import TfmError
+
+    last = (stderr.strip().splitlines() or ["no message"])[-1]
+    error = TfmError(f"`{' '.join(cmd)}` exited with {code}: {last}")
+    error.exit_code = code if code in (1, 2) else 1
+    return error
 
 
 def run_script(main: Callable[[], int | None]) -> NoReturn:

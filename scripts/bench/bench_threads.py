@@ -71,17 +71,12 @@ def start(args: argparse.Namespace, out: Path, setting: str) -> tuple[subprocess
 
 
 def seconds(runs: list[tuple[subprocess.Popen, Path]]) -> list[float]:
-    """Wait for `runs`; each one's training seconds. A failed run raises TfmError with its last line."""
-    from transformer_cli.errors import TfmError
-
+    """Wait for `runs`; each one's training seconds. A failed run raises bc.child_failed's error."""
     out = []
     for proc, path in runs:
         _, err = proc.communicate()
         if proc.returncode != 0:
-            last = (err.strip().splitlines() or ["no message"])[-1]
-            error = TfmError(f"a training run exited with {proc.returncode}: {last}")
-            error.exit_code = proc.returncode if proc.returncode in (1, 2) else 1  # a usage error stays one
-            raise error
+            raise bc.child_failed(proc.args, proc.returncode, err)
         out.append(json.loads((path / "metrics.json").read_text())["train_time_sec"])
     return out
 
