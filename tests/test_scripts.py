@@ -144,9 +144,9 @@ def test_faithfulness_refuses_an_impossible_measure_before_loading(args, tmp_pat
     (["bench_pretrain.py", "--mode", "synthetic", "--steps", "0"], 2), (["bench_explain.py", "--repeats", "0"], 2),
     (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "1k"], 2),  # before the measurements
     (["bench_infer.py", "-c", "{missing}", "--compare-tokens-per-thread", "0,-5"], 2),
-    (["bench_data.py", "--data", "{missing}", "--cached-runs", "2"], 2),
+    (["bench_data.py", "--data", "{missing}", "--cached-runs", "2"], 2),  # the median of two is no run: said first
     (["bench_threads.py", "--steps", "0"], 2), (["bench_threads.py", "--config", "{missing}.toml"], 2),
-    (["bench_threads.py", "--data", "{missing}", "--steps", "1", "--rounds", "1"], 2)])  # its first child's error  # the median of two is no run: said first
+    (["bench_threads.py", "--data", "{missing}", "--steps", "1", "--rounds", "1"], 2)])  # its first child's error
 def test_benchmarks_refuse_bad_input_in_one_line(script, code, tmp_path):
     missing = str(tmp_path / "nothing")
     done = run([sys.executable, str(REPO / "scripts" / "bench" / script[0]),
