@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,30 @@ from conftest import read_scalars
 from safetensors.torch import load_file
 
 
+def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group: a timeout kills torchrun's workers too, not torchrun alone."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        finally:
+            _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left (nothing, after a clean exit)
+    except ProcessLookupError:
+        pass
+
+
 def _train(args: list[str], out: Path, env: dict, nproc: int, command: str = "train") -> subprocess.CompletedProcess:
     env = {**env, "PYTHONFAULTHANDLER": "1"}  # a crashed rank prints where each of its threads was
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
                 if nproc > 1 else [sys.executable])
     cmd = [*launcher, "-m", "transformer_cli", command, *args, "-o", str(out), "--no-progress"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    return _run(cmd, env, timeout=240)
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -83,31 +102,38 @@ def test_pretraining_runs_and_resumes_under_torchrun(synthetic_data_dir, tmp_pat
 
 
 def test_sigterm_to_one_rank_stops_all_ranks_and_only_as_many_resume(synthetic_data_dir, tmp_path):
-    import signal
     import time
 
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TFM_TEST_OWNER": str(os.getpid())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tfm = ["-m", "transformer_cli", "train", "--config", "configs/tiny.toml", "--data", str(synthetic_data_dir),
            "--epochs", "500", "-o", str(out), "--no-progress"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *tfm]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (out / "checkpoints").is_dir():  # training is under way once a checkpoint exists
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.2)
-    rank1 = None
-    for pid in Path("/proc").iterdir():
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
         try:
-            environ = (pid / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"RANK=1" in environ and b"TFM_TEST_OWNER=" + str(os.getpid()).encode() in environ:
-            rank1 = int(pid.name)
-    assert rank1 is not None, "rank 1 not found"
-    before = {p.name for p in (out / "checkpoints").iterdir()}
-    os.kill(rank1, signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)  # a hang fails here
+            deadline = time.monotonic() + 120
+            while not (out / "checkpoints").is_dir():  # training is under way once a checkpoint exists
+                assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+                time.sleep(0.2)
+            # Rank 1 is the worker that torchrun started with RANK=1. Its own children inherit that
+            # environment (the C compiler that builds the attention kernel into a fresh cache), so the
+            # parent is what tells them apart.
+            rank1 = None
+            for pid in Path("/proc").iterdir():
+                try:
+                    parent = int((pid / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    environ = (pid / "environ").read_bytes().split(b"\0")
+                except (OSError, ValueError, IndexError):
+                    continue
+                if parent == proc.pid and b"RANK=1" in environ:
+                    rank1 = int(pid.name)
+            assert rank1 is not None, "rank 1 not found"
+            before = {p.name for p in (out / "checkpoints").iterdir()}
+            os.kill(rank1, signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=120)  # a hang fails here
+        finally:
+            _kill_group(proc)
     assert "exitcode  : 143" in stderr
     after = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "COMPLETE").is_file())
     assert after[-1] not in before  # the stop wrote a new checkpoint at a step boundary
@@ -115,10 +141,8 @@ def test_sigterm_to_one_rank_stops_all_ranks_and_only_as_many_resume(synthetic_d
     # One process refuses to resume it (the global batch would change); the same world size resumes
     # from it (--force: a shorter max_steps, to finish quickly).
     stopped_at = int(after[-1].split("-")[1])
-    alone = subprocess.run([sys.executable, *tfm, "--resume"], env=env, capture_output=True, text=True, timeout=120,
-                           check=False)
+    alone = _run([sys.executable, *tfm, "--resume"], env, timeout=120)
     assert alone.returncode == 2 and "world size: 2 -> 1" in alone.stderr and "Traceback" not in alone.stderr
-    resumed = subprocess.run([*cmd, "--max-steps", str(stopped_at + 3), "--resume", "--force"],
-                             env=env, capture_output=True, text=True, timeout=120, check=False)
+    resumed = _run([*cmd, "--max-steps", str(stopped_at + 3), "--resume", "--force"], env, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((out / "metrics.json").read_text())["steps"] == stopped_at + 3
