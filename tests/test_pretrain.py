@@ -713,6 +713,34 @@ def test_electras_held_out_figures_are_means_over_what_each_is_a_mean_of(synthet
         assert m[name] == pytest.approx(expected, rel=1e-9), name
 
 
+def test_electras_training_figures_over_micro_batches_pool_as_its_held_out_ones(synthetic_data_dir, tmp_path,
+                                                                                monkeypatch):
+    """A step accumulated over micro-batches logs the detector's figures as means over all their real
+    tokens and the generator's as means over all their masked tokens, as validation pools them."""
+    import transformer_cli.pretrain as pretrain_mod
+    import transformer_cli.train as train_mod
+
+    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__objective="electra")
+    run = pretrain_mod.setup(cfg, make_runtime("cpu", "fp32"))
+    seen, forward = [], run.model.forward
+
+    def spy(ids, mask, picked, targets, *rest):
+        loss, stats = forward(ids, mask, picked, targets, *rest)
+        seen.append(({k: v.item() for k, v in stats.items()}, int(mask.sum()), len(targets)))
+        return loss, stats
+
+    monkeypatch.setattr(run.model, "forward", spy)
+    order = np.argsort(run.task.lengths)  # a batch of short windows and one of long ones: unlike shares of masks
+    batches = [run.task.batch(run.rt, order[:3]), run.task.batch(run.rt, order[-6:])]
+    result = train_mod.train_step(run, batches)
+    assert len(seen) == 2 and seen[0][1] * seen[1][2] != seen[1][1] * seen[0][2]
+    for name, over_real in (("accuracy", True), ("detection_loss", True), ("generator_accuracy", False),
+                            ("generator_loss", False)):
+        weights = [real if over_real else masked for _, real, masked in seen]
+        expected = sum(stats[name] * w for (stats, _, _), w in zip(seen, weights)) / sum(weights)
+        assert result.stats[name] == pytest.approx(expected, rel=1e-6), name
+
+
 def test_a_fine_tuned_run_that_lost_its_tokenizer_resumes_with_the_encoders(pretrained, synthetic_data_dir, tmp_path):
     """Not with one trained anew on the fine-tuning data, whose ids would index other embedding rows."""
     out, _ = pretrained

@@ -328,7 +328,7 @@ class Run:
 
 @dataclass
 class StepResult:
-    stats: dict[str, float]  # the task's statistics, means over the step's units and all ranks
+    stats: dict[str, float]  # the task's figures: means over the step's units (per-token ones: real tokens), all ranks
     grad_norm: float
     finite: bool  # False: the step was skipped (non-finite loss or gradient)
     overflowed: bool  # fp16: the gradient scaler skipped the step (its gradients overflowed) and lowers its scale
@@ -350,8 +350,10 @@ def train_step(run: Run, batches: list[Batch], stop_requested: Callable[[], bool
     """
     rt, engine, scaler = run.rt, run.engine, run.scaler
     units = sum(b.units for b in batches)
+    samples, tokens = sum(b.samples for b in batches), sum(b.tokens for b in batches)
+    per_token = getattr(run.model, "per_token_stats", ())  # ELECTRA's detection figures: means over real tokens
     objective_sum: torch.Tensor | float = 0.0
-    stat_sums: dict[str, torch.Tensor | float] = {}
+    stat_sums: dict[str, torch.Tensor | float] = {}  # each figure times what it is a mean over, summed
     for j, batch in enumerate(batches):
         sync = engine.no_sync() if rt.distributed and j < len(batches) - 1 else contextlib.nullcontext()
         share = batch.units / units
@@ -361,22 +363,22 @@ def train_step(run: Run, batches: list[Batch], stop_requested: Callable[[], bool
         scaler.scale(objective).backward()
         objective_sum = objective_sum + objective.detach()
         for name, value in stats.items():
-            stat_sums[name] = stat_sums.get(name, 0.0) + value * share
+            stat_sums[name] = stat_sums.get(name, 0.0) + value * (batch.tokens if name in per_token else batch.units)
     names = list(stat_sums)
-    objective_value, *values = torch.stack([torch.as_tensor(objective_sum), *map(torch.as_tensor, stat_sums.values())]
-                                           ).tolist()  # one device sync
+    objective_value, *sums = torch.stack([torch.as_tensor(objective_sum), *map(torch.as_tensor, stat_sums.values())]
+                                         ).tolist()  # one device sync
     scaler.unscale_(run.optimizer)
     params = [p for p in run.model.parameters() if p.requires_grad]  # the norm sums in this order
     grad_clip = run.cfg.train.grad_clip
     grad_norm = clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
     finite = math.isfinite(objective_value) and (math.isfinite(grad_norm) or scaler.is_enabled())
     overflowed = scaler.is_enabled() and not math.isfinite(grad_norm)
-    samples, tokens = sum(b.samples for b in batches), sum(b.tokens for b in batches)
     stopping = stop_requested()  # asked during this step: it still ends, and is saved, before the stop
     if rt.distributed:  # every rank must take the same decisions, or the next collective hangs
-        bad, stops, samples, tokens, *values = rt.all_sum([float(not finite), float(stopping), samples, tokens, *values])
+        bad, stops, samples, tokens, units, *sums = rt.all_sum([float(not finite), float(stopping), samples, tokens,
+                                                                units, *sums])
         finite, stopping, samples, tokens = bad == 0, stops > 0, int(samples), int(tokens)
-        values = [v / rt.world_size for v in values]
+    values = [total / (tokens if name in per_token else units) for name, total in zip(names, sums)]
     if finite and not overflowed:
         scaler.step(run.optimizer)
         if run.ema is not None:
