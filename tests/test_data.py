@@ -711,6 +711,22 @@ def test_aclimdb_as_a_text_source_has_the_hubs_splits(acl_root, acl_tarball, whe
     assert files == [acl_tarball] if where == "tarball" else len(files) == len(ACL_FILES) + 1
 
 
+@pytest.mark.parametrize("where", ["aclImdb", "tarball"])
+def test_aclimdb_as_a_text_source_reads_only_the_splits_asked_for(acl_root, acl_tarball, where, monkeypatch):
+    """Pretraining reads unsupervised and train: aclImdb's test reviews are never opened."""
+    source = str({"aclImdb": acl_root / "aclImdb", "tarball": acl_tarball}[where])
+    opened = []
+    read_text, extractfile = Path.read_text, tarfile.TarFile.extractfile
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(str(self)) or read_text(self, *a, **k))
+    monkeypatch.setattr(tarfile.TarFile, "extractfile",
+                        lambda self, member: opened.append(getattr(member, "name", member)) or extractfile(self, member))
+    d = data_mod.open_text_source(source, ("unsupervised", "train"))
+    assert sorted(d) == ["train", "unsupervised"]
+    assert sorted(d["train"]["text"]) == sorted(text for text, _ in expected_acl("train"))
+    assert len(opened) == len(expected_acl("train")) + 1  # the train reviews and the one unlabelled review
+    assert not any("/test/" in name for name in opened)
+
+
 @pytest.mark.parametrize("source", ["{tmp}/missing", "{tmp}/missing.csv", "./no/such/folder", "nope.jsonl"])
 def test_missing_path_is_a_usage_error(tmp_path, source):
     with pytest.raises(UsageError, match="does not exist"):

@@ -289,15 +289,16 @@ def refuse_empty_files(files: Iterable[str | Path]) -> None:
                 raise UsageError(f"data file '{f}' has a header line but no rows: fill it or remove it") from None
 
 
-def open_text_source(source: str):
+def open_text_source(source: str, splits: Iterable[str] | None = None):
     """The `datasets.DatasetDict` of a source read as text (`tfm pretrain`, `tfm pseudo-label`): data
-    files, a Hub-layout folder or a Hub id; another kind of file is refused."""
+    files, a Hub-layout folder or a Hub id; another kind of file is refused. `splits`: the splits the
+    caller reads (default: all); aclImdb's reviews of other splits are not read at all."""
     files = named_files(source)
     if files is not None:
         return open_dataset_files(files)
     acl = acl_root(source)
     if acl is not None:
-        return acl_text_source(acl)
+        return acl_text_source(acl, splits)
     if Path(source).is_dir() or not Path(source).exists():
         return open_dataset(source)
     raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, the aclImdb "
@@ -537,14 +538,16 @@ def _from_acl(root: Path, splits: tuple[str, ...]):
     return out, DEFAULT_LABELS
 
 
-def acl_text_source(root: Path):
+def acl_text_source(root: Path, splits: Iterable[str] | None = None):
     """aclImdb as a text source (`tfm pretrain`, `tfm pseudo-label`): a `datasets.DatasetDict` of its splits
     as the Hub names them, train and test (pos and neg, labels left out) and unsupervised (train/unsup),
-    each with a column "text"; a split it holds no reviews of is left out."""
+    each with a column "text". Only `splits` (default: all) are read, so that pretraining never reads the
+    test reviews; a split it holds no reviews of is left out."""
     import datasets
 
-    reviews = _acl_reviews(root, [folder for folders in ACL_TEXT_SPLITS.values() for folder in folders])
-    texts = {split: [t for folder in folders for t in reviews[folder]] for split, folders in ACL_TEXT_SPLITS.items()}
+    wanted = {split: folders for split, folders in ACL_TEXT_SPLITS.items() if splits is None or split in splits}
+    reviews = _acl_reviews(root, [folder for folders in wanted.values() for folder in folders])
+    texts = {split: [t for folder in folders for t in reviews[folder]] for split, folders in wanted.items()}
     return datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": t}) for split, t in texts.items() if t})
 
 

@@ -78,7 +78,7 @@ SUBSAMPLE = 1e-4  # frequent words are kept with probability about sqrt(SUBSAMPL
 def text_splits(cfg: Config) -> list:
     """The `datasets` splits (memory-mapped Arrow tables) whose text column is pretrained on."""
     source, pc = cfg.data.source, cfg.pretrain
-    ds = open_text_source(source)
+    ds = open_text_source(source, pc.splits)
     # The default splits are those IMDB has; another source is read in those of them it has.
     # A default split that is missing only because `datasets` did not take its file as one
     # (unsupervised.csv beside train.csv) is refused too, not silently left out.

@@ -40,7 +40,7 @@ def split_table(source: str, split: str, column: str, max_samples: int | None = 
     """One split of a data source (Hub id, Hub-layout folder or data files) as a memory-mapped `datasets`
     table of its `column` (a seeded sample of `max_samples` rows), every value checked to be non-empty
     text before any is labelled."""
-    ds = open_text_source(source)
+    ds = open_text_source(source, (split,))
     if split not in ds:
         raise UsageError(f"'{source}' has no split '{split}' (it has: {', '.join(ds)})"
                          + (unread_split_hint(source, [split]) or "; pass --split"))
