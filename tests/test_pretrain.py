@@ -520,7 +520,8 @@ def test_pretrain_writes_where_it_is_told_else_to_runs_pretrain(tmp_path, monkey
     assert result.exit_code == 1 and told == [expected], result.stderr
 
 
-@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml", "word-vectors.toml"])
+@pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml", "pretrain-long.toml",
+                                    "word-vectors.toml"])
 def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
     check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too
 
@@ -688,14 +689,13 @@ def test_the_held_out_figures_do_not_depend_on_the_evaluation_batch_size(synthet
     assert figures[0] == figures[1]
 
 
-def test_electras_held_out_figures_are_means_over_what_each_is_a_mean_of(synthetic_data_dir, tmp_path, monkeypatch):
-    """Over several validation batches, the detector's accuracy and loss (means over a batch's real
-    tokens) pool by real tokens, the generator's figures (means over its masked ones) by masked tokens."""
+def electra_with_a_spy(data: Path, out: Path, monkeypatch, **overrides):
+    """An ELECTRA pretraining run set up, and the list into which each forward pass of its model adds
+    (its figures, its real tokens, its masked tokens)."""
     import transformer_cli.pretrain as pretrain_mod
 
-    monkeypatch.setattr(pretrain_mod, "VAL_BATCH", 8)
-    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__objective="electra", pretrain__val_texts=40)
-    run = pretrain_mod.setup(cfg, make_runtime("cpu", "fp32"))
+    run = pretrain_mod.setup(pretrain_config(data, out, pretrain__objective="electra", **overrides),
+                             make_runtime("cpu", "fp32"))
     seen, forward = [], run.model.forward
 
     def spy(ids, mask, picked, targets, *rest):
@@ -704,41 +704,42 @@ def test_electras_held_out_figures_are_means_over_what_each_is_a_mean_of(synthet
         return loss, stats
 
     monkeypatch.setattr(run.model, "forward", spy)
-    m, _, _ = run.task.evaluate(run)
-    assert len(seen) >= 5 and len({real for _, real, _ in seen}) > 1
+    return run, seen
+
+
+def assert_pooled_as_electras_figures(figures: dict, seen: list, rel: float) -> None:
+    """The detector's figures (means over a batch's real tokens) pooled by real tokens, the generator's
+    (means over its masked ones) by masked tokens."""
     for name, over_real in (("accuracy", True), ("detection_loss", True), ("generator_accuracy", False),
                             ("generator_loss", False)):
         weights = [real if over_real else masked for _, real, masked in seen]
         expected = sum(stats[name] * w for (stats, _, _), w in zip(seen, weights)) / sum(weights)
-        assert m[name] == pytest.approx(expected, rel=1e-9), name
+        assert figures[name] == pytest.approx(expected, rel=rel), name
+
+
+def test_electras_held_out_figures_are_means_over_what_each_is_a_mean_of(synthetic_data_dir, tmp_path, monkeypatch):
+    """Over several validation batches, each figure pools by what it is a mean over."""
+    import transformer_cli.pretrain as pretrain_mod
+
+    monkeypatch.setattr(pretrain_mod, "VAL_BATCH", 8)
+    run, seen = electra_with_a_spy(synthetic_data_dir, tmp_path / "run", monkeypatch, pretrain__val_texts=40)
+    m, _, _ = run.task.evaluate(run)
+    assert len(seen) >= 5 and len({real for _, real, _ in seen}) > 1
+    assert_pooled_as_electras_figures(m, seen, rel=1e-9)
 
 
 def test_electras_training_figures_over_micro_batches_pool_as_its_held_out_ones(synthetic_data_dir, tmp_path,
                                                                                 monkeypatch):
-    """A step accumulated over micro-batches logs the detector's figures as means over all their real
-    tokens and the generator's as means over all their masked tokens, as validation pools them."""
-    import transformer_cli.pretrain as pretrain_mod
+    """A step accumulated over micro-batches logs each figure as a mean over all of them, pooled as
+    validation pools it."""
     import transformer_cli.train as train_mod
 
-    cfg = pretrain_config(synthetic_data_dir, tmp_path / "run", pretrain__objective="electra")
-    run = pretrain_mod.setup(cfg, make_runtime("cpu", "fp32"))
-    seen, forward = [], run.model.forward
-
-    def spy(ids, mask, picked, targets, *rest):
-        loss, stats = forward(ids, mask, picked, targets, *rest)
-        seen.append(({k: v.item() for k, v in stats.items()}, int(mask.sum()), len(targets)))
-        return loss, stats
-
-    monkeypatch.setattr(run.model, "forward", spy)
+    run, seen = electra_with_a_spy(synthetic_data_dir, tmp_path / "run", monkeypatch)
     order = np.argsort(run.task.lengths)  # a batch of short windows and one of long ones: unlike shares of masks
     batches = [run.task.batch(run.rt, order[:3]), run.task.batch(run.rt, order[-6:])]
     result = train_mod.train_step(run, batches)
     assert len(seen) == 2 and seen[0][1] * seen[1][2] != seen[1][1] * seen[0][2]
-    for name, over_real in (("accuracy", True), ("detection_loss", True), ("generator_accuracy", False),
-                            ("generator_loss", False)):
-        weights = [real if over_real else masked for _, real, masked in seen]
-        expected = sum(stats[name] * w for (stats, _, _), w in zip(seen, weights)) / sum(weights)
-        assert result.stats[name] == pytest.approx(expected, rel=1e-6), name
+    assert_pooled_as_electras_figures(result.stats, seen, rel=1e-6)
 
 
 def test_a_fine_tuned_run_that_lost_its_tokenizer_resumes_with_the_encoders(pretrained, synthetic_data_dir, tmp_path):
