@@ -21,7 +21,8 @@ for each seed `tfm train --init-from OUT/word-vectors`.
 `unsupervised` split (OUT/pseudo-wide-and-deep-sSEED.jsonl), and the transformer alone trains on
 train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
-"pretrained" and "scratch".
+"pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
+hours) and finetune-gpu.toml.
 
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
@@ -64,7 +65,8 @@ TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
 # The issue's protocol for the reference notebook's recipe: one epoch, reported next to its 57.7%.
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
-PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml")}
+PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml"),
+         "long": ("pretrain-long.toml", "finetune-gpu.toml")}  # long: the CPU-sized encoder, pretrained for hours
 # The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
 ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.
@@ -204,7 +206,8 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="more tfm arguments, e.g. train.epochs=1 (pretrain.* ones go to tfm pretrain only)")
     args = ap.parse_args()
     if args.pair != "cpu" and "self-trained" in args.recipes:
-        ap.error("--pair gpu: 'self-trained' has no GPU recipe (configs/self-train.toml is sized for a CPU)")
+        ap.error(f"--pair {args.pair}: 'self-trained' is for the cpu pair only (configs/self-train.toml fine-tunes "
+                 "configs/pretrain.toml's encoder)")
 
     t0 = time.time()
     folders = dict.fromkeys(ENCODERS[r] for r in args.recipes if r in ENCODERS)  # each once, in order

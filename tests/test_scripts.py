@@ -624,30 +624,34 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
         again.stderr)
 
 
-def test_reproduce_runs_the_gpu_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path):
-    """--pair gpu: configs/pretrain-gpu.toml pretrains, configs/finetune-gpu.toml fine-tunes both the
-    encoder and its random-init ablation (shrunk here by overrides, which come after the recipes)."""
+@pytest.mark.parametrize("pair", ["gpu", "long"])
+def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path, pair):
+    """--pair gpu (long): configs/pretrain-gpu.toml (pretrain-long.toml) pretrains, configs/finetune-gpu.toml
+    fine-tunes both the encoder and its random-init ablation (shrunk here by overrides, which come after
+    the recipes)."""
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
-           "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", "gpu", "--",
+           "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, "--",
            *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
            "train.batch_size=16"]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
     tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
-    assert pretrain["pretrain"]["window"] == 128  # pretrain-gpu.toml's
+    assert pretrain["pretrain"]["window"] == 128  # the pretraining recipe's
     assert tuned["train"]["lr"] == scratch["train"]["lr"] == 1e-4  # finetune-gpu.toml's
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("data", "vocab_size")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
-    assert "configs/pretrain-gpu.toml" in (runs / "pretrain" / "command.txt").read_text()
+    assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
+    assert "configs/finetune-gpu.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
 
 
-def test_reproduce_refuses_the_gpu_pair_for_self_training(tmp_path):
+@pytest.mark.parametrize("pair", ["gpu", "long"])
+def test_reproduce_refuses_another_pair_for_self_training(tmp_path, pair):
     done = run([sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--out", str(tmp_path),
-                "--recipes", "self-trained", "--pair", "gpu"])
-    assert done.returncode == 2 and "no GPU recipe" in done.stderr
+                "--recipes", "self-trained", "--pair", pair])
+    assert done.returncode == 2 and "for the cpu pair only" in done.stderr
     assert not tmp_path.joinpath("pretrain").exists()
 
 
