@@ -20,7 +20,7 @@ from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import CLASSIFIER_ONLY, ModelConfig, PretrainConfig, load_config
 from transformer_cli.data import CLS_ID, PAD_ID, SPECIAL_TOKENS, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.model import Electra, MaskedLM, SkipGram
+from transformer_cli.model import Electra, LMHead, MaskedLM, SkipGram
 from transformer_cli.pretrain import (
     CONTEXT,
     MASK_ID,
@@ -117,6 +117,28 @@ def test_the_output_layer_shares_the_token_embedding():
     h = torch.randn(3, 16)
     expected = model.lm_head.transform(h) @ model.encoder.tok_emb.weight.T + model.lm_head.bias
     torch.testing.assert_close(model.logits(h), expected)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
+def test_the_output_layer_runs_on_rows_padded_to_few_shapes_and_equals_the_unpadded_layer(n, monkeypatch):
+    """Whatever the number of masked tokens, the head's matmuls see a multiple of ROW_MULTIPLE rows (few
+    shapes, so that the CPU's matmul library keeps few packed copies of the embedding), and give the
+    scores and gradients of the head on the rows alone."""
+    torch.manual_seed(0)
+    model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, ngram_buckets=0), VOCAB, 32)
+    h, weights = torch.randn(n, 16, requires_grad=True), torch.randn(n, VOCAB)
+    rows, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or linear(x, w, b))
+    scores = model.logits(h)  # (n, V)
+    monkeypatch.undo()
+    padded = -(-n // LMHead.ROW_MULTIPLE) * LMHead.ROW_MULTIPLE
+    assert scores.shape == (n, VOCAB) and rows == [padded, padded]  # the transform's and the scores' matmuls
+    params = [h, *model.lm_head.parameters(), model.encoder.tok_emb.weight]
+    fast = torch.autograd.grad((scores * weights).sum(), params)
+    expected = model.lm_head.transform(h) @ model.encoder.tok_emb.weight.T + model.lm_head.bias  # (n, V)
+    torch.testing.assert_close(scores, expected)
+    for got, want in zip(fast, torch.autograd.grad((expected * weights).sum(), params)):
+        torch.testing.assert_close(got, want)
 
 
 # --------------------------------------------------------------------------- windows of the texts
