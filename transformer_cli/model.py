@@ -369,8 +369,8 @@ class LMHead(nn.Module):
 
     Its rows (the masked tokens) are padded to a multiple of ROW_MULTIPLE for the matmuls and cut
     after. Their number changes with every batch, and on the CPU each new matmul shape makes oneDNN
-    build and cache another packed copy of the (V, C) embedding: 10 MB each at V 16,000, C 256, up
-    to 1,024 of them."""
+    build and cache another packed copy of the (V, C) embedding, so that memory grew by gigabytes
+    (docs/experiments.md, "The masked-LM head's rows padded")."""
 
     ROW_MULTIPLE = 64
 
