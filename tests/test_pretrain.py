@@ -20,7 +20,7 @@ from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import CLASSIFIER_ONLY, ModelConfig, PretrainConfig, load_config
 from transformer_cli.data import CLS_ID, PAD_ID, SPECIAL_TOKENS, Encoded, encode_texts
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.model import Electra, LMHead, MaskedLM, SkipGram
+from transformer_cli.model import Electra, LMHead, MaskedLM, SkipGram, vocab_cross_entropy
 from transformer_cli.pretrain import (
     CONTEXT,
     MASK_ID,
@@ -139,6 +139,44 @@ def test_the_output_layer_runs_on_rows_padded_to_few_shapes_and_equals_the_unpad
     torch.testing.assert_close(scores, expected)
     for got, want in zip(fast, torch.autograd.grad((expected * weights).sum(), params)):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n", [1, 100, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_vocabulary_loss_equals_cross_entropy_of_the_whole_scores(n, dtype):
+    """vocab_cross_entropy scores a few rows at a time (here 64 or 128, so that 300 rows make chunks and
+    a short last one) and gives the loss, accuracy and gradients of F.cross_entropy over all the scores,
+    as MaskedLM computed them before, in fp32 and under bf16 autocast; without gradients, the same loss."""
+    torch.manual_seed(n)
+    V, C = 500, 24
+    h = torch.randn(n, C, requires_grad=True)
+    weight, bias = torch.randn(V, C, requires_grad=True), torch.randn(V, requires_grad=True)
+    targets = torch.randint(0, V, (n,))
+    half = (n + 1) // 2
+    targets[:half] = F.linear(h[:half], weight, bias).detach().argmax(-1)  # right for half the rows at least
+    params = (h, weight, bias)
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        chunk = 64 * V if n < 300 else 128 * V
+        loss, accuracy = vocab_cross_entropy(h, weight, bias, targets, chunk_elements=chunk)
+        scores = F.linear(h, weight, bias)
+        reference = F.cross_entropy(scores.float(), targets)
+        with torch.no_grad():
+            no_grad_loss, no_grad_accuracy = vocab_cross_entropy(h, weight, bias, targets, chunk_elements=chunk)
+    assert loss.dtype == torch.float32 and not accuracy.requires_grad
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-2}
+    torch.testing.assert_close(loss, reference, **tol)
+    assert accuracy.item() == (scores.detach().argmax(-1) == targets).float().mean().item() >= 0.4
+    torch.testing.assert_close((no_grad_loss, no_grad_accuracy), (loss.detach(), accuracy))
+    grads = zip(torch.autograd.grad(loss, params), torch.autograd.grad(reference, params), "hwb")
+    if dtype == torch.float32:
+        for got, want, name in grads:
+            torch.testing.assert_close(got, want, **tol, msg=name)
+        return
+    # In bf16 both round differently: each is held to its distance from the fp32 gradients.
+    truth = torch.autograd.grad(F.cross_entropy(F.linear(h, weight, bias), targets), params)
+    for (got, want, name), exact in zip(grads, truth):
+        scale = exact.abs().max()
+        assert (got - exact).abs().max() / scale <= 1.5 * (want - exact).abs().max() / scale + 1e-3, name
 
 
 # --------------------------------------------------------------------------- windows of the texts

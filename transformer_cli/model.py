@@ -387,6 +387,83 @@ class LMHead(nn.Module):
         scores = F.linear(self.transform(rows), embedding, self.bias)[:n]  # (N, V)
         return scores.view(*h.shape[:-1], -1)  # (..., V)
 
+    def loss(self, h: torch.Tensor, embedding: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean cross-entropy, accuracy) of the (N, C) states' scores against the (N,) `targets`: what
+        F.cross_entropy(self(h, embedding).float(), targets) gives, without the (N, V) scores (see
+        vocab_cross_entropy)."""
+        return vocab_cross_entropy(self.transform(h), embedding, self.bias, targets)
+
+
+def vocab_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                        chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, accuracy) of the scores F.linear(h, weight, bias) (N, V) against `targets`
+    (N,), scored a chunk of rows at a time (about `chunk_elements` scores: 4M on a CPU, 64M on a GPU,
+    where each chunk costs kernel launches), under autocast in its dtype.
+
+    The whole (N, V) scores are the largest tensors of pretraining: written, cast to fp32, normalised,
+    and their gradient allocated again, each a pass over memory, and on the CPU each a fresh allocation
+    whose pages the kernel zeroes. Here a chunk's scores stay small and are used at once: its loss,
+    argmax and gradient (softmax minus one-hot) are taken together, and the gradients of h, weight and
+    bias are summed in the forward pass; backward only scales them (the loss is a scalar)."""
+    device = h.device.type
+    chunk_elements = chunk_elements or (1 << 22 if device == "cpu" else 1 << 26)
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (h, weight, bias)):
+        return _VocabCrossEntropy.apply(h, weight, bias, targets, dtype, chunk_elements)
+    return _vocab_chunks(h, weight, bias, targets, dtype, chunk_elements, with_grads=False)[:2]
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, dtype, chunk_elements):
+        loss, accuracy, *grads = _vocab_chunks(h, weight, bias, targets, dtype, chunk_elements, with_grads=True)
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(accuracy)
+        return loss, accuracy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        grad_h, grad_weight, grad_bias = (g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
+        return grad_h, grad_weight, grad_bias, None, None, None
+
+
+def _vocab_chunks(h, weight, bias, targets, dtype, chunk_elements, with_grads):
+    """vocab_cross_entropy's pass: (loss, accuracy) and, `with_grads`, the gradients of the mean loss
+    with respect to h, weight and bias, in their own dtypes."""
+    n, V = h.shape[0], weight.shape[0]
+    step = max(LMHead.ROW_MULTIPLE, chunk_elements // V // LMHead.ROW_MULTIPLE * LMHead.ROW_MULTIPLE)
+    with torch.autocast(h.device.type, enabled=False):
+        hd, w, b = h.to(dtype), weight.to(dtype), bias.to(dtype)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        right = torch.zeros((), dtype=torch.int64, device=h.device)
+        if with_grads:
+            grad_h = torch.empty((n, h.shape[1]), dtype=torch.float32, device=h.device)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+            grad_b = torch.zeros(V, dtype=torch.float32, device=h.device)
+        for start in range(0, n, step):
+            rows = hd[start : start + step]  # (k, C)
+            k = rows.shape[0]
+            rows = F.pad(rows, (0, 0, 0, -k % LMHead.ROW_MULTIPLE))  # (k', C): few matmul shapes, as LMHead's
+            t = targets[start : start + step]  # (k,)
+            scores = F.linear(rows, w, b).float()  # (k', V), the padding's rows last
+            right += (scores[:k].max(-1).indices == t).sum()  # max: argmax's first maximum, in a quarter of its time
+            logp = scores.log_softmax(-1)  # (k', V)
+            del scores
+            loss_sum -= logp[:k].gather(1, t[:, None]).sum()
+            if not with_grads:
+                continue
+            g = logp.exp_()  # (k', V): softmax
+            g[k:] = 0.0  # the padding's rows add nothing
+            g[torch.arange(k, device=h.device), t] -= 1.0
+            g = g.to(dtype)
+            grad_h[start : start + k] = (g @ w)[:k].float()  # (k, C)
+            grad_w += (g.t() @ rows).float()  # (V, C)
+            grad_b += g.sum(0, dtype=torch.float32)
+    loss, accuracy = loss_sum / n, right.float() / n
+    if not with_grads:
+        return loss, accuracy
+    return loss, accuracy, (grad_h / n).to(h.dtype), (grad_w / n).to(weight.dtype), (grad_b / n).to(bias.dtype)
+
 
 class MaskedLM(nn.Module):
     """The encoder with a masked-language-model head, for pretraining: predict each masked token's
@@ -410,9 +487,8 @@ class MaskedLM(nn.Module):
         """(the loss, {"accuracy"}) of the predictions at `picked`, (N,) flat indices into the (B, T)
         batch, whose original ids are `targets` (N,); `positions` (B, T) as Encoder.forward's."""
         h = self.encoder(ids, mask, positions)  # (B, T, C)
-        logits = self.logits(h.flatten(0, 1)[picked])  # (N, V)
-        loss = F.cross_entropy(logits.float(), targets)
-        return loss, {"accuracy": (logits.detach().argmax(-1) == targets).float().mean()}
+        loss, accuracy = self.lm_head.loss(h.flatten(0, 1)[picked], self.encoder.tok_emb.weight, targets)
+        return loss, {"accuracy": accuracy}
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
