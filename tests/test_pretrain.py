@@ -179,6 +179,28 @@ def test_the_chunked_vocabulary_loss_equals_cross_entropy_of_the_whole_scores(n,
         assert (got - exact).abs().max() / scale <= 1.5 * (want - exact).abs().max() / scale + 1e-3, name
 
 
+def test_a_compiled_masked_lm_is_not_compiled_again_for_every_number_of_masked_tokens():
+    """torch.compile (train.compile) marks the masked-token count dynamic after one new count; the
+    chunked loss's loop would make each count a graph of its own, so it runs outside the graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.compile(MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, ngram_buckets=0), VOCAB, 64),
+                          backend="eager")
+    counts, graphs = [], []
+    for seed in range(6):
+        ids, mask = batch([40, 30, 20], seed=seed)
+        masked, picked, targets = mask_tokens(ids, mask, 0.3, VOCAB, torch.Generator().manual_seed(seed))
+        loss, _ = model(masked, mask, picked, targets)
+        loss.backward()
+        counts.append(len(picked))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len(set(counts)) == 6  # a new count every batch
+    assert graphs[0] > 0 and graphs[-1] == graphs[1]  # compiled, and compiled again for the second count only
+
+
 # --------------------------------------------------------------------------- windows of the texts
 
 

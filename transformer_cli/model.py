@@ -394,6 +394,7 @@ class LMHead(nn.Module):
         return vocab_cross_entropy(self.transform(h), embedding, self.bias, targets)
 
 
+@torch.compiler.disable  # a loop over chunks of rows: traced, it would compile again for every number of rows
 def vocab_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
                         chunk_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy, accuracy) of the scores F.linear(h, weight, bias) (N, V) against `targets`
