@@ -122,8 +122,8 @@ def test_the_output_layer_shares_the_token_embedding():
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
 def test_the_output_layer_runs_on_rows_padded_to_few_shapes_and_equals_the_unpadded_layer(n, monkeypatch):
     """Whatever the number of masked tokens, the head's matmuls see a multiple of ROW_MULTIPLE rows (few
-    shapes, so that the CPU's matmul library keeps few packed copies of the embedding), and give the
-    scores and gradients of the head on the rows alone."""
+    shapes, so that the CPU's matmul library keeps few packed copies of the embedding), in its scores
+    and in its loss, and give the scores and gradients of the head on the rows alone."""
     torch.manual_seed(0)
     model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, ngram_buckets=0), VOCAB, 32)
     h, weights = torch.randn(n, 16, requires_grad=True), torch.randn(n, VOCAB)
@@ -139,6 +139,10 @@ def test_the_output_layer_runs_on_rows_padded_to_few_shapes_and_equals_the_unpad
     torch.testing.assert_close(scores, expected)
     for got, want in zip(fast, torch.autograd.grad((expected * weights).sum(), params)):
         torch.testing.assert_close(got, want)
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or linear(x, w, b))
+    rows.clear()
+    model.lm_head.loss(h, model.encoder.tok_emb.weight, torch.randint(0, VOCAB, (n,)))  # the masked LM's path
+    assert rows == [padded, padded]
 
 
 @pytest.mark.parametrize("n", [1, 100, 300])

@@ -390,8 +390,10 @@ class LMHead(nn.Module):
     def loss(self, h: torch.Tensor, embedding: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean cross-entropy, accuracy) of the (N, C) states' scores against the (N,) `targets`: what
         F.cross_entropy(self(h, embedding).float(), targets) gives, without the (N, V) scores (see
-        vocab_cross_entropy)."""
-        return vocab_cross_entropy(self.transform(h), embedding, self.bias, targets)
+        vocab_cross_entropy). Its rows are padded as forward's are."""
+        n = h.shape[0]
+        rows = self.transform(F.pad(h, (0, 0, 0, -n % self.ROW_MULTIPLE)))[:n]  # (N, C)
+        return vocab_cross_entropy(rows, embedding, self.bias, targets)
 
 
 @torch.compiler.disable  # a loop over chunks of rows: traced, it would compile again for every number of rows
