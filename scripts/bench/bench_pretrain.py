@@ -5,8 +5,9 @@ What it measures
     the recipe's mask_prob), steps interleaved so that contention from other jobs hits both alike:
 
       tfm        transformer_cli.train.train_step on a run built as `tfm pretrain` builds it
-                 (transformer_cli.pretrain: MaskedLM, whose head scores the masked positions only;
-                 fused AdamW over the model's parameter groups; gradient clipping; the run's precision)
+                 (transformer_cli.pretrain: MaskedLM, whose head scores the masked positions only,
+                 a chunk at a time; fused AdamW over the model's parameter groups; gradient
+                 clipping; the run's precision)
       straight   written here, as a masked-LM step is usually written (e.g. BertForMaskedLM): the
                  same modules score every position over the whole vocabulary, cross-entropy with
                  ignore_index=-100 on the unmasked ones, torch.optim.AdamW (foreach), clipping; fp32
