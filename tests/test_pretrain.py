@@ -146,11 +146,12 @@ def test_the_output_layer_runs_on_rows_padded_to_few_shapes_and_equals_the_unpad
 
 
 @pytest.mark.parametrize("n", [1, 100, 300])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_chunked_vocabulary_loss_equals_cross_entropy_of_the_whole_scores(n, dtype):
     """vocab_cross_entropy scores a few rows at a time (here 64 or 128, so that 300 rows make chunks and
     a short last one) and gives the loss, accuracy and gradients of F.cross_entropy over all the scores,
-    as MaskedLM computed them before, in fp32 and under bf16 autocast; without gradients, the same loss."""
+    as MaskedLM computed them before, in fp32 and under bf16 or fp16 autocast (as on GPUs without bf16);
+    without gradients, the same loss."""
     torch.manual_seed(n)
     V, C = 500, 24
     h = torch.randn(n, C, requires_grad=True)
@@ -176,7 +177,7 @@ def test_the_chunked_vocabulary_loss_equals_cross_entropy_of_the_whole_scores(n,
         for got, want, name in grads:
             torch.testing.assert_close(got, want, **tol, msg=name)
         return
-    # In bf16 both round differently: each is held to its distance from the fp32 gradients.
+    # In 16 bits both round differently: each is held to its distance from the fp32 gradients.
     truth = torch.autograd.grad(F.cross_entropy(F.linear(h, weight, bias), targets), params)
     for (got, want, name), exact in zip(grads, truth):
         scale = exact.abs().max()
