@@ -383,17 +383,20 @@ class LMHead(nn.Module):
         """(..., C) states and the (V, C) token embedding -> (..., V) token scores."""
         rows = h.reshape(-1, h.shape[-1])  # (N, C)
         n = rows.shape[0]
-        rows = F.pad(rows, (0, 0, 0, -n % self.ROW_MULTIPLE))  # (N', C): N' the next multiple; zero rows
-        scores = F.linear(self.transform(rows), embedding, self.bias)[:n]  # (N, V)
+        scores = F.linear(self.transform(pad_rows(rows)), embedding, self.bias)[:n]  # (N, V)
         return scores.view(*h.shape[:-1], -1)  # (..., V)
 
     def loss(self, h: torch.Tensor, embedding: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean cross-entropy, accuracy) of the (N, C) states' scores against the (N,) `targets`: what
         F.cross_entropy(self(h, embedding).float(), targets) gives, without the (N, V) scores (see
         vocab_cross_entropy). Its rows are padded as forward's are."""
-        n = h.shape[0]
-        rows = self.transform(F.pad(h, (0, 0, 0, -n % self.ROW_MULTIPLE)))[:n]  # (N, C)
+        rows = self.transform(pad_rows(h))[: h.shape[0]]  # (N, C)
         return vocab_cross_entropy(rows, embedding, self.bias, targets)
+
+
+def pad_rows(rows: torch.Tensor) -> torch.Tensor:
+    """(N, C) -> (N', C): zero rows appended up to the next multiple N' of LMHead.ROW_MULTIPLE."""
+    return F.pad(rows, (0, 0, 0, -rows.shape[0] % LMHead.ROW_MULTIPLE))
 
 
 @torch.compiler.disable  # a loop over chunks of rows: traced, it would compile again for every number of rows
@@ -446,7 +449,7 @@ def _vocab_chunks(h, weight, bias, targets, dtype, chunk_elements, with_grads):
         for start in range(0, n, step):
             rows = hd[start : start + step]  # (k, C)
             k = rows.shape[0]
-            rows = F.pad(rows, (0, 0, 0, -k % LMHead.ROW_MULTIPLE))  # (k', C): few matmul shapes, as LMHead's
+            rows = pad_rows(rows)  # (k', C): few matmul shapes, as LMHead's
             t = targets[start : start + step]  # (k,)
             scores = F.linear(rows, w, b).float()  # (k', V), the padding's rows last
             right += (scores[:k].max(-1).indices == t).sum()  # max: argmax's first maximum, in a quarter of its time
