@@ -4,6 +4,7 @@ recipes shrunk to seconds, and the benchmarks' tables, JSON and argument errors 
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -532,6 +533,7 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
         assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
     for r in rows.values():  # each row's share of the peak measured in the same run
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
+        assert len(r["ms_steps"]) == 2 and r["ms_step"] == pytest.approx(statistics.median(r["ms_steps"]), abs=1e-3)
     # the straightforward steps compute tfm's objective: the same loss on the same first batch
     assert result["first_loss"].keys() == rows.keys() - {"electra", "skipgram"}
     for loss in result["first_loss"].values():

@@ -202,7 +202,8 @@ def main(argv=None) -> int:
         seconds = sum(ts)
         gflops = flops[name] / seconds / 1e9
         row = {"variant": name, "ms_step": 1000 * statistics.median(ts), "tokens_per_sec": tokens[name] / seconds,
-               "gflops": gflops, "pct_peak": 100 * gflops / peaks["fp32"].gflops}
+               "gflops": gflops, "pct_peak": 100 * gflops / peaks["fp32"].gflops,
+               "ms_steps": [round(1000 * t, 3) for t in ts]}  # tokens/s divides by their sum, ms/step is their median
         if rt.amp_dtype is not None:  # for the rows under autocast: a fp32 step has no such ceiling
             row["pct_amp_peak"] = None if name == "straight" and not on_gpu else 100 * gflops / peaks[rt.precision].gflops
         rows.append(row)
