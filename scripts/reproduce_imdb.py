@@ -152,10 +152,10 @@ def pretrained_encoder(folder: str, data: str, out_root: Path, extra: list[str],
             "val": metrics["val"], "command": (out / COMMAND_FILE).read_text().strip()}
 
 
-def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: list[str]) -> None:
-    """The teacher of student `recipe`, its run of `seed` (trained if need be), labels the unlabelled
-    reviews, once."""
-    teacher = one(TEACHERS[recipe], seed, data, out_root, extra)["out"]
+def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> None:
+    """The teacher of student `recipe`, its run of `seed` with the same `pair` (trained if need be),
+    labels the unlabelled reviews, once."""
+    teacher = one(TEACHERS[recipe], seed, data, out_root, extra, pair)["out"]
     labels = pseudo_labels(recipe, seed, out_root)
     # Written whole or not at all; labelled again when the teacher was trained again since.
     if not labels.exists() or (teacher / MODEL_FILE).stat().st_mtime > labels.stat().st_mtime:
@@ -165,7 +165,7 @@ def teacher_labels(recipe: str, seed: int, data: str, out_root: Path, extra: lis
 def one(recipe: str, seed: int, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
     out = out_root / f"{recipe}-s{seed}"
     if recipe in TEACHERS:
-        teacher_labels(recipe, seed, data, out_root, extra)
+        teacher_labels(recipe, seed, data, out_root, extra, pair)
     extra = [e for e in extra if not e.startswith("pretrain.")]  # for the encoder; `tfm train` refuses them
     train_cmd = [*TFM, "train", *config_args(recipe, seed, out_root, pair), "--data", data, "-o", str(out), "--seed",
                  str(seed), *extra]
