@@ -22,7 +22,7 @@ for each seed `tfm train --init-from OUT/word-vectors`.
 train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
-hours) and finetune-gpu.toml.
+hours) and finetune-long.toml.
 
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
@@ -66,7 +66,7 @@ TEACHERS = {"self-trained": "pretrained", "taught": "wide-and-deep"}
 RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
 PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml"),
-         "long": ("pretrain-long.toml", "finetune-gpu.toml")}  # long: the CPU-sized encoder, pretrained for hours
+         "long": ("pretrain-long.toml", "finetune-long.toml")}  # long: the CPU-sized encoder, pretrained for hours
 # The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
 ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.

@@ -629,8 +629,8 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
 @pytest.mark.parametrize("pair", ["gpu", "long"])
 def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path, pair):
     """--pair gpu (long): configs/pretrain-gpu.toml (pretrain-long.toml) pretrains, configs/finetune-gpu.toml
-    fine-tunes both the encoder and its random-init ablation (shrunk here by overrides, which come after
-    the recipes)."""
+    (finetune-long.toml) fine-tunes both the encoder and its random-init ablation (shrunk here by overrides,
+    which come after the recipes)."""
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
            "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, "--",
@@ -641,12 +641,14 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
     tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
     assert pretrain["pretrain"]["window"] == 128  # the pretraining recipe's
-    assert tuned["train"]["lr"] == scratch["train"]["lr"] == 1e-4  # finetune-gpu.toml's
+    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8)}[pair]  # finetune-{pair}.toml's
+    assert tuned["train"]["lr"] == scratch["train"]["lr"] == lr
+    assert tuned["train"]["layer_lr_decay"] == scratch["train"]["layer_lr_decay"] == layer_lr_decay
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("data", "vocab_size")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
-    assert "configs/finetune-gpu.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
+    assert f"configs/finetune-{pair}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
 
 
 @pytest.mark.parametrize("pair", ["gpu", "long"])
