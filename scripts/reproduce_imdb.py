@@ -22,7 +22,9 @@ for each seed `tfm train --init-from OUT/word-vectors`.
 train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and-deep-sSEED.jsonl`).
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
-hours) and finetune-long.toml.
+hours) and finetune-long.toml. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm
+pretrain --max-steps N`, its learning rate decaying over them): `--pair long --pretrain-steps 3300`
+is the long recipe cut to 2 hours on 2 cores.
 
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
@@ -139,11 +141,15 @@ def trained(cmd: list[str], out: Path, inputs: tuple[Path, ...] = ()) -> None:
     atomic_write_text(command_txt, command + "\n")
 
 
-def pretrained_encoder(folder: str, data: str, out_root: Path, extra: list[str], pair: str = "cpu") -> dict:
-    """Pretrain the encoder of ENCODERS' `folder` (unless done), with its recipe; its figures."""
+def pretrained_encoder(folder: str, data: str, out_root: Path, extra: list[str], pair: str = "cpu",
+                       steps: int | None = None) -> dict:
+    """Pretrain the encoder of ENCODERS' `folder` (unless done), with its recipe (the pair's for
+    "pretrain", cut to `steps` if given); its figures."""
     out = out_root / folder
     recipe = "word-vectors.toml" if folder == "word-vectors" else PAIRS[pair][0]
     extra = [e for e in extra if e.split("=", 1)[0] not in {*CLASSIFIER_ONLY, *CLASSIFIER_ONLY_IN_RECIPES}]  # refused
+    if steps is not None and folder == "pretrain":
+        extra = ["--max-steps", str(steps), *extra]
     trained([*TFM, "pretrain", "--config", str(ROOT / "configs" / recipe), "--data", data, "-o", str(out), *extra], out)
     metrics = json.loads((out / "metrics.json").read_text())
     objective = json.loads((out / "config.json").read_text())["pretrain"]["objective"]
@@ -202,9 +208,13 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337], help="one run per recipe and seed")
     ap.add_argument("--pair", choices=sorted(PAIRS), default="cpu",
                     help="the pretraining and fine-tuning recipes of 'pretrained' and 'scratch'")
+    ap.add_argument("--pretrain-steps", type=int, metavar="N",
+                    help="end the pair's pretraining after N steps (tfm pretrain --max-steps N)")
     ap.add_argument("--results-dir", type=Path, help="copy each run's test JSON here as RECIPE-sSEED.json")
     ap.add_argument("extra", nargs="*", help="more tfm arguments, e.g. train.epochs=1 (pretrain.* ones go to tfm pretrain only)")
     args = ap.parse_args()
+    if args.pretrain_steps is not None and args.pretrain_steps < 1:
+        ap.error(f"--pretrain-steps {args.pretrain_steps}: must be 1 or more")
     if args.pair != "cpu" and "self-trained" in args.recipes:
         ap.error(f"--pair {args.pair}: 'self-trained' is for the cpu pair only (configs/self-train.toml fine-tunes "
                  "configs/pretrain.toml's encoder)")
@@ -212,7 +222,8 @@ def main() -> int:
     t0 = time.time()
     folders = dict.fromkeys(ENCODERS[r] for r in args.recipes if r in ENCODERS)  # each once, in order
     try:
-        encoders = [pretrained_encoder(f, args.data, args.out, args.extra, args.pair) for f in folders]
+        encoders = [pretrained_encoder(f, args.data, args.out, args.extra, args.pair, args.pretrain_steps)
+                    for f in folders]
         rows = [one(r, s, args.data, args.out, args.extra, args.pair) for r in args.recipes for s in args.seeds]
     except StepFailed as e:
         code = e.code if e.code > 0 else 128 - e.code  # killed by signal N: 128 + N, as a shell reports it

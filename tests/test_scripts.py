@@ -630,10 +630,11 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
 def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path, pair):
     """--pair gpu (long): configs/pretrain-gpu.toml (pretrain-long.toml) pretrains, configs/finetune-gpu.toml
     (finetune-long.toml) fine-tunes both the encoder and its random-init ablation (shrunk here by overrides,
-    which come after the recipes)."""
+    which come after the recipes). --pretrain-steps cuts the pretraining alone."""
     runs = tmp_path / "runs"
+    steps = {"gpu": [], "long": ["--pretrain-steps", "5"]}[pair]
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
-           "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, "--",
+           "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, *steps, "--",
            *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
            "train.batch_size=16"]
     done = run(cmd)
@@ -649,6 +650,9 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
     assert f"configs/finetune-{pair}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
+    # train.max_steps=3 for every run; --pretrain-steps beats it for the pretraining alone
+    assert json.loads((runs / "pretrain" / "metrics.json").read_text())["steps"] == {"gpu": 3, "long": 5}[pair]
+    assert json.loads((runs / "pretrained-s1" / "metrics.json").read_text())["steps"] == 3
 
 
 @pytest.mark.parametrize("pair", ["gpu", "long"])
@@ -656,6 +660,13 @@ def test_reproduce_refuses_another_pair_for_self_training(tmp_path, pair):
     done = run([sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--out", str(tmp_path),
                 "--recipes", "self-trained", "--pair", pair])
     assert done.returncode == 2 and "for the cpu pair only" in done.stderr
+    assert not tmp_path.joinpath("pretrain").exists()
+
+
+def test_reproduce_refuses_a_pretraining_of_no_steps(tmp_path):
+    done = run([sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--out", str(tmp_path),
+                "--recipes", "pretrained", "--pair", "long", "--pretrain-steps", "0"])
+    assert done.returncode == 2 and "--pretrain-steps 0: must be 1 or more" in done.stderr
     assert not tmp_path.joinpath("pretrain").exists()
 
 
