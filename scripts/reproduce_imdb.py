@@ -24,7 +24,7 @@ train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
 hours) and finetune-long.toml. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm
 pretrain --max-steps N`, its learning rate decaying over them): `--pair long --pretrain-steps 3300`
-is the long recipe cut to 2 hours on 2 cores.
+is the long recipe cut to 2 hours on 2 Xeon cores with AMX.
 
 The test split is evaluated once per finished run, after training (selection inside training uses
 the validation split only). A run whose folder already holds metrics.json and test.json is not
