@@ -132,7 +132,8 @@ def two_torch_threads():
 
 
 @pytest.mark.parametrize("cfg", [{}, {"pooling": "max", "norm": "post"}, {"pooling": "first"},
-                                 {"attention": "explicit"}, {"pos_emb": "sinusoidal"}])
+                                 {"attention": "explicit"}, {"pos_emb": "sinusoidal"},
+                                 {"pos_emb": "rope"}])
 @pytest.mark.parametrize("max_tokens", [64, 200, 10**9])
 @pytest.mark.parametrize("workers", [4, 1])
 def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, monkeypatch, two_torch_threads):

@@ -124,6 +124,7 @@ def eval_logits(cfg: ModelConfig, ids: torch.Tensor, mask: torch.Tensor) -> tupl
     [
         {"d_model": 128, "n_heads": 8, "n_layers": 3, "pooling": "max", "norm": "post"},  # seed.toml's
         {"d_model": 64, "n_heads": 2, "n_layers": 2, "pooling": "mean", "norm": "pre"},  # the default's
+        {"d_model": 64, "n_heads": 2, "n_layers": 2, "pooling": "mean", "pos_emb": "rope"},  # q, k turned first
     ],
 )
 def test_model_inference_with_the_kernel_matches_sdpa(kw):

@@ -8,6 +8,7 @@ from torch import nn
 
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
+from transformer_cli.errors import UsageError
 from transformer_cli.model import (
     CTransformer,
     NgramBag,
@@ -19,6 +20,8 @@ from transformer_cli.model import (
     fused_attention,
     kl_from,
     pool,
+    rotary,
+    rotate_qk,
     sinusoidal_table,
     virtual_adversarial_step,
 )
@@ -141,7 +144,7 @@ def test_attention_equals_torch_multihead_attention(attn_input, which):
     assert torch.allclose(got[mask], expected[mask], atol=1e-5)
 
 
-VARIANTS = list(itertools.product(["max", "mean", "first"], ["pre", "post"], ["learned", "sinusoidal"],
+VARIANTS = list(itertools.product(["max", "mean", "first"], ["pre", "post"], ["learned", "sinusoidal", "rope"],
                                   ["sdpa", "explicit"]))
 
 
@@ -467,6 +470,39 @@ def test_sinusoidal_table_follows_the_formula():
         assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-5)
 
 
+def test_rotate_qk_turns_each_pair_of_a_heads_dimensions_by_position_times_frequency():
+    """The reference: each pair (i, i + Dh/2) of q and k as one complex number, times e^(i pos theta_i)."""
+    B, T, H, Dh = 2, 5, 3, 8
+    qkv = torch.randn(B, T, 3 * H * Dh)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 3, 9, 0, 2]])  # (B, T): compacted rows keep their places
+    out = rotate_qk(qkv, H, rotary(positions, Dh))  # (B, T, 3C)
+    theta = 10000.0 ** (-torch.arange(0, Dh, 2) / Dh)  # (Dh/2,)
+    turn = torch.polar(torch.ones(B, T, 1, Dh // 2), positions[:, :, None, None] * theta)  # (B, T, 1, Dh/2)
+    for part in range(2):  # q, then k
+        x = qkv[..., part * H * Dh:(part + 1) * H * Dh].view(B, T, H, Dh)  # (B, T, H, Dh)
+        turned = torch.complex(x[..., : Dh // 2], x[..., Dh // 2:]) * turn  # (B, T, H, Dh/2)
+        expected = torch.cat((turned.real, turned.imag), dim=-1).view(B, T, H * Dh)  # (B, T, C)
+        torch.testing.assert_close(out[..., part * H * Dh:(part + 1) * H * Dh], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[..., 2 * H * Dh:], qkv[..., 2 * H * Dh:])  # v is not turned
+
+
+def test_with_rope_the_encoder_sees_distances_not_places():
+    model = CTransformer(model_cfg(pos_emb="rope"), VOCAB, MAX_LEN).eval()
+    assert model.encoder.pos_emb is None  # no position table: nothing added to the embeddings
+    ids, mask = random_batch([9, 6])
+    states = model.encoder(ids, mask)  # (B, T, C)
+    shifted = model.encoder(ids, mask, torch.arange(9).expand(2, 9) + 11)  # every token 11 places further on
+    torch.testing.assert_close(shifted[mask], states[mask], atol=1e-5, rtol=1e-4)
+    swapped = ids.clone()
+    swapped[:, [1, 2]] = ids[:, [2, 1]]  # the same tokens in another order
+    assert not torch.allclose(model.encoder(swapped, mask)[:, 0], states[:, 0], atol=1e-3)  # order is seen
+
+
+def test_rope_needs_an_even_head_size():
+    with pytest.raises(UsageError, match="head size .* must be even"):
+        model_cfg(d_model=30, n_heads=2, pos_emb="rope")
+
+
 def test_token_dropout_hides_tokens_like_padding_in_training_only():
     ids, mask = random_batch([24, 20, 17, 9])
     torch.manual_seed(0)
@@ -511,6 +547,7 @@ def test_compact_moves_each_rows_kept_tokens_to_its_front_in_order():
     ("mean", "pre", "learned", "sdpa"),
     ("max", "post", "sinusoidal", "explicit"),
     ("first", "pre", "learned", "explicit"),
+    ("mean", "pre", "rope", "sdpa"),  # the kept tokens rotated by their places in the text, not their columns
 ])
 def test_training_on_compacted_tokens_equals_computing_hidden_ones_as_padding(pooling, norm, pos_emb, attention):
     cfg = model_cfg(pooling=pooling, norm=norm, pos_emb=pos_emb, attention=attention, token_dropout=0.7)

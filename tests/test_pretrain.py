@@ -276,6 +276,19 @@ def test_positions_place_a_windows_tokens_as_they_stand_in_the_text():
     assert moved.item() != pytest.approx(unmoved.item(), rel=1e-6)  # ELECTRA's too
 
 
+def test_with_rope_a_window_needs_no_place_in_its_text():
+    """Rotary positions are relative: a window moved along its text, every token by the same places,
+    gives the same loss."""
+    torch.manual_seed(0)
+    model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1, dropout=0.0, pos_emb="rope"), VOCAB, 64)
+    ids, mask = batch([10, 6], seed=4)
+    positions = torch.tensor([list(range(30, 40)), [50, 51, 52, 53, 54, 55, 0, 0, 0, 0]])
+    masked, picked, targets = mask_tokens(ids, mask, 0.5, VOCAB, torch.Generator().manual_seed(0))
+    moved, _ = model(masked, mask, picked, targets, positions)
+    unmoved, _ = model(masked, mask, picked, targets)
+    assert moved.item() == pytest.approx(unmoved.item(), rel=1e-5)
+
+
 # --------------------------------------------------------------------------- text larger than memory
 
 
@@ -736,6 +749,19 @@ def test_fine_tuning_takes_the_encoders_sizes_and_refuses_contradicting_ones(pre
     for key, value in {"model.d_model": 64, "data.vocab_size": 900, "data.lowercase": False}.items():
         with pytest.raises(UsageError, match=f"{key} = .* contradicts the pretrained encoder"):
             tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out), **{key.replace(".", "__"): value})
+
+
+def test_fine_tuning_keeps_a_rope_encoders_positions(synthetic_data_dir, tmp_path):
+    pre = tmp_path / "pre"
+    pretrain(pretrain_config(synthetic_data_dir, pre, model__pos_emb="rope", pretrain__window=16,
+                             train__max_steps=3), progress=False)
+    assert not any("pos_emb" in name for name in load_file(pre / ckpt.MODEL_FILE))
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), train__max_steps=3)
+    assert cfg.model.pos_emb == "rope"  # from the encoder's config.json
+    with pytest.raises(UsageError, match="model.pos_emb = .* contradicts the pretrained encoder"):
+        tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), model__pos_emb="learned")
+    assert train(cfg, progress=False)["steps"] == 3
+    assert json.loads((tmp_path / "ft" / ckpt.CONFIG_FILE).read_text())["model"]["pos_emb"] == "rope"
 
 
 def test_a_fine_tuned_run_trains_and_resumes(pretrained, synthetic_data_dir, tmp_path):

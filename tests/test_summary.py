@@ -106,7 +106,8 @@ def test_usage_errors():
     assert_fails_cleanly(tfm("inspect", "-c", "no/such/dir"), 1, "does not exist")
 
 
-@pytest.mark.parametrize("overrides", [{}, {"model.ngram_buckets": 64}, {"model.pos_emb": "sinusoidal"}])
+@pytest.mark.parametrize("overrides", [{}, {"model.ngram_buckets": 64}, {"model.pos_emb": "sinusoidal"},
+                                       {"model.pos_emb": "rope"}])
 def test_every_module_has_a_row_and_each_rows_parameters_are_its_childrens(overrides):
     """The learned position embedding is read as a table, never called: it still has a row. The encoder
     is not called either (the classifier calls its parts): it shows what goes in and comes out."""

@@ -147,10 +147,10 @@ def test_attention_figure_draws_dollar_signs_as_they_are():
                                                         False)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_attention_maps_are_the_attention_the_model_applies(norm):
+@pytest.mark.parametrize(("norm", "pos_emb"), [("post", "learned"), ("pre", "learned"), ("pre", "rope")])
+def test_attention_maps_are_the_attention_the_model_applies(norm, pos_emb):
     torch.manual_seed(0)
-    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, norm=norm, dropout=0.0)
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2, norm=norm, pos_emb=pos_emb, dropout=0.0)
     model = CTransformer(cfg, vocab_size=50, max_length=16, num_labels=3).eval()
     ids = torch.randint(5, 50, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.bool)

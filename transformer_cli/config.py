@@ -135,7 +135,7 @@ class ModelConfig(_Section):
     token_dropout: float = 0.5  # training only: share of tokens hidden from the transformer (like padding)
     pooling: Literal["max", "mean", "first"] = "max"
     norm: Literal["post", "pre"] = "pre"
-    pos_emb: Literal["learned", "sinusoidal"] = "learned"
+    pos_emb: Literal["learned", "sinusoidal", "rope"] = "learned"  # rope: rotary, relative positions inside attention
     attention: Literal["auto", "sdpa", "explicit"] = "auto"  # auto: sdpa, or kernels.attention_bf16 where it runs
     ngram_buckets: int = 0  # > 0: a linear n-gram path beside the transformer (wide and deep); hash buckets for n > 1
     ngram_order: int = 3  # the longest n-gram: 2 = unigrams and bigrams
@@ -157,6 +157,9 @@ class ModelConfig(_Section):
             self._fail("ngram_lr_scale", "must be a positive number")
         if self.d_model % self.n_heads:
             self._fail("d_model", f"must be divisible by model.n_heads = {self.n_heads}")
+        if self.pos_emb == "rope" and (self.d_model // self.n_heads) % 2:
+            self._fail("pos_emb", f"rope rotates pairs of a head's dimensions: the head size "
+                                  f"(d_model / n_heads = {self.d_model // self.n_heads}) must be even")
         for name in ("dropout", "attn_dropout", "token_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")

@@ -18,6 +18,8 @@ from transformer_cli import kernels
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID, round_width
 
+Rotary = tuple[torch.Tensor, torch.Tensor]  # rope's (cos, sin), each (B or 1, T, 1, Dh): see `rotary`
+
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -30,17 +32,16 @@ class SelfAttention(nn.Module):
         self.fused = cfg.attention in ("auto", "sdpa")
         self.cpu_kernel = cfg.attention == "auto"  # kernels.attention_bf16 for bf16 inference on CPUs that have it
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rotary | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)  # (B, T, 3C)
+        if rope is not None:
+            qkv = rotate_qk(qkv, self.n_heads, rope)  # (B, T, 3C)
         if self.cpu_kernel and not self.training:
             y = kernels.attention_bf16(qkv, mask, self.n_heads)  # (B, T, C), or None where it does not apply
             if y is not None:
                 return self.proj(y)
-        q, k, v = qkv.split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
-        k = k.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
-        v = v.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2)  # (B, H, T, Dh)
+        q, k, v = split_heads(qkv, self.n_heads)  # 3 x (B, H, T, Dh)
         key_mask = mask[:, None, None, :]  # (B, 1, 1, T): padding keys get no attention
         p = self.attn_dropout if self.training else 0.0
         if self.fused:
@@ -49,6 +50,35 @@ class SelfAttention(nn.Module):
             y = explicit_attention(q, k, v, key_mask, p)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads merged
         return dropout(self.proj(y), self.dropout, self.training)
+
+
+def split_heads(qkv: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3C) fused projections -> q, k, v, each (B, H, T, Dh)."""
+    B, T, C3 = qkv.shape
+    return tuple(t.transpose(1, 2) for t in qkv.view(B, T, 3, n_heads, C3 // (3 * n_heads)).unbind(2))
+
+
+def rotary(positions: torch.Tensor, head_dim: int) -> Rotary:
+    """Rotary position embedding (Su et al. 2021, RoFormer): the angles by which `rotate_qk` turns each
+    pair of a head's dimensions (i, i + Dh/2) at each position, at frequencies 10000^(-2i/Dh). q.k then
+    depends on the two tokens' distance, not on where they stand. `positions`: (T,) or (B, T)."""
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    angles = positions.float()[..., None] * inv_freq  # (T or B x T, Dh/2)
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (T or B x T, 1, Dh)
+    if angles.dim() == 3:
+        angles = angles[None]  # (1, T, 1, Dh)
+    return angles.cos(), angles.sin()
+
+
+def rotate_qk(qkv: torch.Tensor, n_heads: int, rope: Rotary) -> torch.Tensor:
+    """(B, T, 3C) fused projections with q and k rotated by `rope` (see `rotary`), v as it was."""
+    B, T, C3 = qkv.shape
+    cos, sin = rope  # (B or 1, T, 1, Dh) each
+    qk, v = qkv.split((2 * C3 // 3, C3 // 3), dim=2)  # (B, T, 2C), (B, T, C)
+    qk = qk.float().view(B, T, 2 * n_heads, C3 // (3 * n_heads))  # (B, T, 2H, Dh): q's heads, then k's
+    x1, x2 = qk.chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each
+    qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin  # (B, T, 2H, Dh)
+    return torch.cat((qk.flatten(2).to(v.dtype), v), dim=2)  # (B, T, 3C)
 
 
 def fused_attention(
@@ -102,16 +132,17 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rotary | None = None) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.attn(self.norm1(x), mask)
+            x = x + self.attn(self.norm1(x), mask, rope)
             return x + dropout(self.ff(self.norm2(x)), self.dropout, self.training)
-        x = self.norm1(x + self.attn(x, mask))
+        x = self.norm1(x + self.attn(x, mask, rope))
         return self.norm2(x + dropout(self.ff(x), self.dropout, self.training))
 
 
 class Encoder(nn.Module):
     """Token + position embeddings and the stack of blocks: (B, T) ids -> (B, T, C) states.
+    With `pos_emb = "rope"` positions enter inside attention instead (`rotary`), not as an embedding.
 
     Kept apart from the classifier so that other heads (e.g. masked-LM pretraining) can share it.
     """
@@ -119,11 +150,12 @@ class Encoder(nn.Module):
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_length: int):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, cfg.d_model, sparse=cfg.lazy_embeddings)
+        self.rope_dim = cfg.d_model // cfg.n_heads if cfg.pos_emb == "rope" else 0
+        self.pos_emb = None
         if cfg.pos_emb == "learned":
             self.pos_emb = nn.Embedding(max_length, cfg.d_model)
-        else:
+        elif cfg.pos_emb == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(max_length, cfg.d_model), persistent=False)
-            self.pos_emb = None
         self.dropout = cfg.dropout
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm == "pre" else nn.Identity()
@@ -131,19 +163,29 @@ class Encoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`positions` (B, T): each token's place in its text, when it is not its column (see `compact`)."""
-        return self.contextualize(self.embed(ids, positions), mask)
+        return self.contextualize(self.embed(ids, positions), mask, positions)
 
-    def contextualize(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def contextualize(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """(B, T, C) embeddings -> (B, T, C) states: the blocks, then the final norm."""
+        rope = self.rotary(x, positions)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, rope)
         return self.norm(x)
 
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> Rotary | None:
+        """rope's angles for (B, T, C) states at `positions` (default: their columns); None without rope."""
+        if not self.rope_dim:
+            return None
+        return rotary(torch.arange(x.size(1), device=x.device) if positions is None else positions, self.rope_dim)
+
     def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T, C): token plus position embeddings, with dropout."""
+        """(B, T) ids -> (B, T, C): token plus position embeddings (none with rope), with dropout."""
         T = ids.size(1)
         if T > self.max_length:
             raise ValueError(f"sequence of {T} tokens is longer than max_length {self.max_length}")
+        if self.rope_dim:
+            return dropout(self.tok_emb(ids), self.dropout, self.training)  # (B, T, C)
         table = self.pos_emb.weight if self.pos_emb is not None else self.pos_table  # (max_length, C)
         # F.embedding, not table[positions]: its backward sums the rows' gradients in a fixed order
         pos = table[:T] if positions is None else F.embedding(positions, table)  # (T, C) or (B, T, C)
@@ -314,7 +356,7 @@ class CTransformer(nn.Module):
             mask = drop_tokens(mask, self.cfg.token_dropout)
             ids, mask, positions = compact(ids, mask)  # (B, W) each, W a little over (1 - token_dropout) T
         x = self.encoder.embed(ids, positions)  # (B, T or W, C)
-        deep = self.deep_logits(x, mask)  # (B, num_labels)
+        deep = self.deep_logits(x, mask, positions)  # (B, num_labels)
         logits = deep if wide is None else deep + wide
         if labels is None:
             return logits
@@ -331,7 +373,7 @@ class CTransformer(nn.Module):
         fixed = 0.0 if wide is None else wide.detach()  # the perturbations are the transformer's alone
 
         def logits_at(x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, num_labels)
-            return self.deep_logits(x, mask) + fixed
+            return self.deep_logits(x, mask, positions) + fixed
 
         if adversarial_eps > 0:
             x_adv = x + adversarial_step(loss(deep + fixed), x, mask, adversarial_eps)  # (B, T, C)
@@ -342,9 +384,10 @@ class CTransformer(nn.Module):
             objective = objective + kl_from(target, logits_at(x_vadv)).mean()
         return logits, objective
 
-    def deep_logits(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def deep_logits(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
+                    ) -> torch.Tensor:
         """(B, T, C) embeddings -> (B, num_labels): the transformer's logits."""
-        return self.head(pool(self.encoder.contextualize(x, mask), mask, self.cfg.pooling))
+        return self.head(pool(self.encoder.contextualize(x, mask, positions), mask, self.cfg.pooling))
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         """Weight decay on matrices (linear and embedding weights) only, not biases or norms; with
@@ -536,8 +579,9 @@ class Electra(nn.Module):
                  positions: torch.Tensor | None = None) -> torch.Tensor:
         """The generator's (N, V) token scores at `picked`."""
         x = self.encoder.embed(ids, positions)  # (B, T, C)
+        rope = self.encoder.rotary(x, positions)
         for block in self.generator:
-            x = block(x, mask)
+            x = block(x, mask, rope)
         return self.lm_head(self.generator_norm(x).flatten(0, 1)[picked], self.encoder.tok_emb.weight)  # (N, V)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, picked: torch.Tensor, targets: torch.Tensor,
