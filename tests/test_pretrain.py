@@ -621,7 +621,7 @@ def test_pretrain_writes_where_it_is_told_else_to_runs_pretrain(tmp_path, monkey
 
 
 @pytest.mark.parametrize("recipe", ["tiny.toml", "pretrain.toml", "pretrain-gpu.toml", "pretrain-long.toml",
-                                    "word-vectors.toml"])
+                                    "pretrain-2h.toml", "word-vectors.toml"])
 def test_the_recipes_that_pretrain_set_no_classifier_setting(recipe):
     check_classifier_only(load_config(CONFIGS / recipe))  # tiny.toml serves `tfm train` too
 

@@ -626,13 +626,14 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
         again.stderr)
 
 
-@pytest.mark.parametrize("pair", ["gpu", "long"])
+@pytest.mark.parametrize("pair", ["gpu", "long", "2h"])
 def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path, pair):
-    """--pair gpu (long): configs/pretrain-gpu.toml (pretrain-long.toml) pretrains, configs/finetune-gpu.toml
-    (finetune-long.toml) fine-tunes both the encoder and its random-init ablation (shrunk here by overrides,
-    which come after the recipes). --pretrain-steps cuts the pretraining alone."""
+    """--pair gpu (long, 2h): configs/pretrain-gpu.toml (pretrain-long.toml, pretrain-2h.toml) pretrains,
+    configs/finetune-gpu.toml (finetune-long.toml) fine-tunes both the encoder and its random-init ablation
+    (shrunk here by overrides, which come after the recipes). --pretrain-steps cuts the pretraining alone."""
     runs = tmp_path / "runs"
-    steps = {"gpu": [], "long": ["--pretrain-steps", "5"]}[pair]
+    steps = {"gpu": [], "long": ["--pretrain-steps", "5"], "2h": ["--pretrain-steps", "5"]}[pair]
+    finetune = {"gpu": "gpu", "long": "long", "2h": "long"}[pair]
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
            "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, *steps, "--",
            *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
@@ -642,16 +643,18 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
     tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
     assert pretrain["pretrain"]["window"] == 128  # the pretraining recipe's
-    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8)}[pair]  # finetune-{pair}.toml's
+    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8)}[finetune]  # finetune-{finetune}.toml's
     assert tuned["train"]["lr"] == scratch["train"]["lr"] == lr
     assert tuned["train"]["layer_lr_decay"] == scratch["train"]["layer_lr_decay"] == layer_lr_decay
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
-    for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("data", "vocab_size")]:
+    for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("model", "pos_emb"),
+                         ("data", "vocab_size")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
-    assert f"configs/finetune-{pair}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
+    assert f"configs/finetune-{finetune}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
+    assert scratch["model"]["pos_emb"] == ("rope" if pair == "2h" else "learned")
     # train.max_steps=3 for every run; --pretrain-steps beats it for the pretraining alone
-    assert json.loads((runs / "pretrain" / "metrics.json").read_text())["steps"] == {"gpu": 3, "long": 5}[pair]
+    assert json.loads((runs / "pretrain" / "metrics.json").read_text())["steps"] == {"gpu": 3, "long": 5, "2h": 5}[pair]
     assert json.loads((runs / "pretrained-s1" / "metrics.json").read_text())["steps"] == 3
 
 
