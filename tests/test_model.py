@@ -486,6 +486,18 @@ def test_rotate_qk_turns_each_pair_of_a_heads_dimensions_by_position_times_frequ
     assert torch.equal(out[..., 2 * H * Dh:], qkv[..., 2 * H * Dh:])  # v is not turned
 
 
+def test_rotate_qk_in_bf16_stays_within_bf16_rounding_of_the_fp32_rotation():
+    """The fast path: bf16 projections are turned in bf16, not cast to fp32 and back."""
+    B, T, H, Dh = 2, 300, 2, 16
+    qkv = torch.randn(B, T, 3 * H * Dh).to(torch.bfloat16)
+    rope = rotary(torch.arange(T), Dh)  # places up to 299: large angles
+    out = rotate_qk(qkv, H, rope)
+    assert out.dtype == torch.bfloat16
+    reference = rotate_qk(qkv.float(), H, rope)  # (B, T, 3C) in fp32
+    assert not torch.equal(out.float(), reference)  # it did round
+    torch.testing.assert_close(out.float(), reference, atol=0.04, rtol=2**-6)  # a few bf16 steps (2^-8) of |x|
+
+
 def test_with_rope_the_encoder_sees_distances_not_places():
     model = CTransformer(model_cfg(pos_emb="rope"), VOCAB, MAX_LEN).eval()
     assert model.encoder.pos_emb is None  # no position table: nothing added to the embeddings

@@ -517,17 +517,19 @@ def test_bench_infer_cold_start_times_the_checkouts_tfm(tmp_path, monkeypatch):
     assert imported.stdout.strip() == str(REPO / "transformer_cli" / "__init__.py")
 
 
-def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(tmp_path):
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(pos_emb, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_pretrain.py"), "--mode", "synthetic",
            "--config", str(REPO / "configs" / "tiny.toml"), "--steps", "2", "--warmup", "1", "--threads", "1",
-           "--json", str(out)]  # precision auto: bf16 where the CPU has it natively, else fp32
+           "--json", str(out), f"model.pos_emb={pos_emb}"]  # precision auto: bf16 where the CPU has it, else fp32
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
     amp = result["precision"] != "fp32"  # then the straightforward step in that precision too
-    assert set(rows) == {"tfm", "straight", "electra", "skipgram"} | ({"straight_amp"} if amp else set())
+    rope = {"rope_fp32", "learned"} if pos_emb == "rope" else set()  # the rotation's cost: fp32, and none at all
+    assert set(rows) == {"tfm", "straight", "electra", "skipgram"} | ({"straight_amp"} if amp else set()) | rope
     assert rows["straight"]["vs_straight"] == 1.0
     for name in rows.keys() - {"straight"}:
         assert rows[name]["vs_straight"] == pytest.approx(rows[name]["tokens_per_sec"] / rows["straight"]["tokens_per_sec"])
@@ -535,7 +537,7 @@ def test_bench_pretrain_times_tfm_pretrains_step_beside_the_straightforward_one(
         assert r["pct_peak"] == pytest.approx(100 * r["gflops"] / result["peak"]["gflops"])
         assert len(r["ms_steps"]) == 2 and r["ms_step"] == pytest.approx(statistics.median(r["ms_steps"]), abs=1e-3)
     # the straightforward steps compute tfm's objective: the same loss on the same first batch
-    assert result["first_loss"].keys() == rows.keys() - {"electra", "skipgram"}
+    assert result["first_loss"].keys() == rows.keys() - {"electra", "skipgram", "learned"}
     for loss in result["first_loss"].values():
         assert loss == pytest.approx(result["first_loss"]["tfm"], rel=result["loss_tolerance"])
     if not amp:

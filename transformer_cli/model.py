@@ -18,7 +18,7 @@ from transformer_cli import kernels
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID, round_width
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # rope's (cos, sin), each (B or 1, T, 1, Dh): see `rotary`
+Rotary = tuple[torch.Tensor, torch.Tensor]  # rope's (cos, sin), each (B or 1, T, 1, Dh/2): see `rotary`
 
 
 class SelfAttention(nn.Module):
@@ -63,22 +63,23 @@ def rotary(positions: torch.Tensor, head_dim: int) -> Rotary:
     pair of a head's dimensions (i, i + Dh/2) at each position, at frequencies 10000^(-2i/Dh). q.k then
     depends on the two tokens' distance, not on where they stand. `positions`: (T,) or (B, T)."""
     inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    angles = positions.float()[..., None] * inv_freq  # (T or B x T, Dh/2)
-    angles = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (T or B x T, 1, Dh)
+    angles = (positions.float()[..., None] * inv_freq).unsqueeze(-2)  # (T or B x T, 1, Dh/2)
     if angles.dim() == 3:
-        angles = angles[None]  # (1, T, 1, Dh)
+        angles = angles[None]  # (1, T, 1, Dh/2)
     return angles.cos(), angles.sin()
 
 
 def rotate_qk(qkv: torch.Tensor, n_heads: int, rope: Rotary) -> torch.Tensor:
-    """(B, T, 3C) fused projections with q and k rotated by `rope` (see `rotary`), v as it was."""
+    """(B, T, 3C) fused projections with q and k rotated by `rope` (see `rotary`), v as it was.
+
+    It runs in qkv's own dtype (bf16 under autocast) rather than cast to fp32 and back: elementwise work
+    on every layer, forward and backward, where the casts and copies cost more than the rounding."""
     B, T, C3 = qkv.shape
-    cos, sin = rope  # (B or 1, T, 1, Dh) each
+    cos, sin = (t.to(qkv.dtype) for t in rope)  # (B or 1, T, 1, Dh/2) each
     qk, v = qkv.split((2 * C3 // 3, C3 // 3), dim=2)  # (B, T, 2C), (B, T, C)
-    qk = qk.float().view(B, T, 2 * n_heads, C3 // (3 * n_heads))  # (B, T, 2H, Dh): q's heads, then k's
-    x1, x2 = qk.chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each
-    qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin  # (B, T, 2H, Dh)
-    return torch.cat((qk.flatten(2).to(v.dtype), v), dim=2)  # (B, T, 3C)
+    x1, x2 = qk.reshape(B, T, 2 * n_heads, C3 // (3 * n_heads)).chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each: q, k
+    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, 2H, Dh): each pair turned
+    return torch.cat((qk.flatten(2), v), dim=2)  # (B, T, 3C)
 
 
 def fused_attention(

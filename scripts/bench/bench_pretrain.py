@@ -20,8 +20,13 @@ What it measures
       skipgram   tfm's step with pretrain.objective = "skipgram" (word2vec's word vectors: the token
                  embedding alone) on as many batches of whole texts from the same corpus, drawn by
                  the same sampler; its FLOPs are its dot products (no matmuls)
+    and with rotary positions (model.pos_emb = "rope"):
+      rope_fp32  tfm's step with q and k turned in fp32 (cast up, rotated, cast back), as rotary
+                 embeddings are often written, where tfm turns them in the projections' own dtype
+      learned    tfm's step with learned positions instead (model.pos_emb = "learned"): what the
+                 rotation costs a step
 
-    The first batch's loss of each straightforward step must equal tfm's (same weights, same batch)
+    The first batch's loss of each straightforward step (and of rope_fp32) must equal tfm's (same weights, same batch)
     within a tolerance of the precision (1e-3 relative in fp32, 3e-2 in bf16/fp16), or the script
     exits 1. tokens/s counts real tokens (padding excluded). GFLOP/s is each variant's own matmul FLOPs
     (3 x forward: the encoder's linear layers and attention, the head's transform and vocabulary
@@ -53,7 +58,8 @@ import torch.nn.functional as F
 
 from transformer_cli.config import PretrainConfig, load_config, parse_overrides
 from transformer_cli.data import CLS_ID, BucketSampler, Encoded
-from transformer_cli.model import MaskedLM
+from transformer_cli import model as model_module
+from transformer_cli.model import MaskedLM, rotate_qk
 from transformer_cli.pretrain import (
     NEGATIVES,
     Corpus,
@@ -105,6 +111,21 @@ def head_flops(cfg, positions: int, vocab: int) -> float:
     return 2.0 * positions * (C * C + C * vocab)
 
 
+def rotate_qk_fp32(qkv: torch.Tensor, n_heads: int, rope) -> torch.Tensor:
+    """The rotation in fp32 whatever qkv's dtype: cast up, turned, cast back."""
+    return rotate_qk(qkv.float(), n_heads, rope).to(qkv.dtype)
+
+
+@contextlib.contextmanager
+def fp32_rotation():
+    """tfm's model with rotate_qk_fp32 in place of its own rotation, for the with block."""
+    model_module.rotate_qk = rotate_qk_fp32
+    try:
+        yield
+    finally:
+        model_module.rotate_qk = rotate_qk
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     bc.set_threads(args.threads)
@@ -132,10 +153,20 @@ def main(argv=None) -> int:
     skipgram, skipgram_task = pretraining_model(skipgram_cfg, vocab), SkipGramTask(corpus, vocab)
     skipgram_sampler = BucketSampler(skipgram_task.lengths, cfg.train.batch_size, cfg.train.seed)
     skipgram_batches = [skipgram_task.batch(rt, idx) for idx in skipgram_sampler.batches(0)[:n_batches]]
+    rope = cfg.model.pos_emb == "rope"
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as out2, \
-            tempfile.TemporaryDirectory() as out3:
+            tempfile.TemporaryDirectory() as out3, tempfile.TemporaryDirectory() as out4, \
+            tempfile.TemporaryDirectory() as out5:
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before any step changes it
         run = build_run(cfg.replace(train={"output_dir": out}), rt, model, task, None, False, {})
+        if rope:
+            fp32_model = MaskedLM(cfg.model, vocab, cfg.data.max_length)
+            fp32_model.load_state_dict(initial)
+            fp32_run = build_run(cfg.replace(train={"output_dir": out4}), rt, fp32_model, task, None, False, {})
+            learned_cfg = cfg.replace(model={"pos_emb": "learned"}, train={"output_dir": out5})
+            torch.manual_seed(cfg.train.seed)
+            learned_run = build_run(learned_cfg, rt, MaskedLM(learned_cfg.model, vocab, cfg.data.max_length), task,
+                                    None, False, {})
         electra_run = build_run(electra_cfg.replace(train={"output_dir": out2}), rt, electra, task, None, False, {})
         skipgram_run = build_run(skipgram_cfg.replace(train={"output_dir": out3}), rt, skipgram, skipgram_task, None,
                                  False, {})
@@ -167,6 +198,13 @@ def main(argv=None) -> int:
             variants["straight_amp"] = straightforward(True)
         variants["electra"] = lambda b: train_step(electra_run, [b])
         variants["skipgram"] = lambda i: train_step(skipgram_run, [skipgram_batches[i]])
+        if rope:
+            def rope_fp32(b) -> float:
+                with fp32_rotation():
+                    return train_step(fp32_run, [b]).stats["loss"]
+
+            variants["rope_fp32"] = rope_fp32
+            variants["learned"] = lambda b: train_step(learned_run, [b])
         first_loss: dict[str, float] = {}
         times = {name: [] for name in variants}
         max_n = 8192 if on_gpu else 2048  # a GPU reaches its peak only on large products
@@ -179,7 +217,7 @@ def main(argv=None) -> int:
                 t0 = bc.now()
                 loss = step(i if name == "skipgram" else batch)
                 bc.synchronize(rt.device)
-                if i == 0 and name not in ("electra", "skipgram"):  # the same weights and batch: the same loss
+                if i == 0 and name not in ("electra", "skipgram", "learned"):  # the same weights and batch
                     first_loss[name] = float(loss)
                 if i >= args.warmup:
                     times[name].append(bc.now() - t0)
@@ -197,6 +235,7 @@ def main(argv=None) -> int:
                             + head_flops(cfg, b.units, vocab)) for b in timed),
         "skipgram": sum(3 * 2 * b.units * (NEGATIVES + 1) * cfg.model.d_model for b in skipgram_timed),
     }
+    flops["rope_fp32"] = flops["learned"] = flops["tfm"]
     rows = []
     for name, ts in times.items():
         seconds = sum(ts)
