@@ -26,9 +26,10 @@ What it measures
       learned    tfm's step with learned positions instead (model.pos_emb = "learned"): what the
                  rotation costs a step
 
-    The first batch's loss of each straightforward step (and of rope_fp32) must equal tfm's (same weights, same batch)
-    within a tolerance of the precision (1e-3 relative in fp32, 3e-2 in bf16/fp16), or the script
-    exits 1. tokens/s counts real tokens (padding excluded). GFLOP/s is each variant's own matmul FLOPs
+    The first batch's loss of each straightforward step (and of rope_fp32) must equal tfm's (same
+    weights, same batch) within a tolerance of the precision (1e-3 relative in fp32, 3e-2 in
+    bf16/fp16), or the script exits 1. tokens/s counts real tokens (padding excluded). GFLOP/s is
+    each variant's own matmul FLOPs
     (3 x forward: the encoder's linear layers and attention, the head's transform and vocabulary
     projection over the positions it scores) over its time; % peak divides that by the fp32
     torch.mm rate sampled between the steps of the same run, and, where the run computes in bf16 or
@@ -56,9 +57,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from transformer_cli import model as model_module
 from transformer_cli.config import PretrainConfig, load_config, parse_overrides
 from transformer_cli.data import CLS_ID, BucketSampler, Encoded
-from transformer_cli import model as model_module
 from transformer_cli.model import MaskedLM, rotate_qk
 from transformer_cli.pretrain import (
     NEGATIVES,
