@@ -73,13 +73,44 @@ def rotate_qk(qkv: torch.Tensor, n_heads: int, rope: Rotary) -> torch.Tensor:
     """(B, T, 3C) fused projections with q and k rotated by `rope` (see `rotary`), v as it was.
 
     It runs in qkv's own dtype (bf16 under autocast) rather than cast to fp32 and back: elementwise work
-    on every layer, forward and backward, where the casts and copies cost more than the rounding."""
-    B, T, C3 = qkv.shape
+    on every layer, forward and backward, where the casts and copies cost more than the rounding. Under
+    autograd it is `_RotateQK`, whose backward is the inverse rotation of the gradient."""
     cos, sin = (t.to(qkv.dtype) for t in rope)  # (B or 1, T, 1, Dh/2) each
-    qk, v = qkv.split((2 * C3 // 3, C3 // 3), dim=2)  # (B, T, 2C), (B, T, C)
-    x1, x2 = qk.reshape(B, T, 2 * n_heads, C3 // (3 * n_heads)).chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each: q, k
-    qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (B, T, 2H, Dh): each pair turned
-    return torch.cat((qk.flatten(2), v), dim=2)  # (B, T, 3C)
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        return _RotateQK.apply(qkv, cos, sin, n_heads)
+    return _turn(qkv, n_heads, cos, sin)
+
+
+def _turn(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A new (B, T, 3C) tensor: qkv with each pair (i, i + Dh/2) of q's and k's heads turned by the angle
+    whose cos and sin are given (B or 1, T, 1, Dh/2), and v copied. Written into one output tensor, so
+    that neither the halves nor q, k and v are concatenated."""
+    B, T, C3 = qkv.shape
+    shape = (B, T, 2 * n_heads, C3 // (3 * n_heads))  # (B, T, 2H, Dh): q's heads, then k's
+    out = torch.empty_like(qkv)  # (B, T, 3C)
+    out[..., 2 * C3 // 3:] = qkv[..., 2 * C3 // 3:]  # v
+    x1, x2 = qkv[..., : 2 * C3 // 3].unflatten(2, shape[2:]).chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each
+    y1, y2 = out[..., : 2 * C3 // 3].unflatten(2, shape[2:]).chunk(2, dim=-1)  # views of out, as x1, x2
+    torch.mul(x1, cos, out=y1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    torch.mul(x2, cos, out=y2).addcmul_(x1, sin)  # x2 cos + x1 sin
+    return out
+
+
+class _RotateQK(torch.autograd.Function):
+    """rotate_qk under autograd. A rotation's gradient is the gradient turned back by the same angle
+    (its matrix is orthogonal), so the backward is `_turn` with -sin: one pass over q and k each way,
+    keeping only cos and sin, where autograd's graph of the forward keeps both halves and concatenates."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.n_heads = n_heads
+        return _turn(qkv, n_heads, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _turn(grad.contiguous(), ctx.n_heads, cos, -sin), None, None, None
 
 
 def fused_attention(
