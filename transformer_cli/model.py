@@ -85,12 +85,12 @@ def _turn(qkv: torch.Tensor, n_heads: int, cos: torch.Tensor, sin: torch.Tensor)
     """A new (B, T, 3C) tensor: qkv with each pair (i, i + Dh/2) of q's and k's heads turned by the angle
     whose cos and sin are given (B or 1, T, 1, Dh/2), and v copied. Written into one output tensor, so
     that neither the halves nor q, k and v are concatenated."""
-    B, T, C3 = qkv.shape
-    shape = (B, T, 2 * n_heads, C3 // (3 * n_heads))  # (B, T, 2H, Dh): q's heads, then k's
+    C2 = 2 * qkv.size(-1) // 3  # q's and k's width, 2C
+    heads = (2 * n_heads, C2 // (2 * n_heads))  # 2H heads of Dh: q's, then k's
     out = torch.empty_like(qkv)  # (B, T, 3C)
-    out[..., 2 * C3 // 3:] = qkv[..., 2 * C3 // 3:]  # v
-    x1, x2 = qkv[..., : 2 * C3 // 3].unflatten(2, shape[2:]).chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each
-    y1, y2 = out[..., : 2 * C3 // 3].unflatten(2, shape[2:]).chunk(2, dim=-1)  # views of out, as x1, x2
+    out[..., C2:] = qkv[..., C2:]  # v
+    x1, x2 = qkv[..., :C2].unflatten(2, heads).chunk(2, dim=-1)  # (B, T, 2H, Dh/2) each
+    y1, y2 = out[..., :C2].unflatten(2, heads).chunk(2, dim=-1)  # views of out, as x1, x2
     torch.mul(x1, cos, out=y1).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     torch.mul(x2, cos, out=y2).addcmul_(x1, sin)  # x2 cos + x1 sin
     return out
