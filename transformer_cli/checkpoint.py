@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load, load_file, save
 
 from transformer_cli.config import FORMAT_VERSION
 from transformer_cli.errors import TfmError, UsageError, first_line
@@ -50,11 +50,14 @@ def load_weights(model, path: Path, prefix: str = "") -> None:
     model.load_state_dict(checked_weights(path, model.state_dict(), prefix))
 
 
-def checked_weights(path: Path, expected: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+def checked_weights(path: Path, expected: dict[str, torch.Tensor], prefix: str = "",
+                    data: bytes | None = None) -> dict[str, torch.Tensor]:
     """The tensors of safetensors file `path` (those named PREFIX..., the prefix removed), refused in one
-    line unless they have exactly the names and shapes of the state dict `expected`."""
+    line unless they have exactly the names and shapes of the state dict `expected`. `data`: the file's
+    bytes, read already by a caller that copies them, so that what it copies is what was checked."""
     try:
-        tensors = {k.removeprefix(prefix): v for k, v in load_file(str(path)).items() if k.startswith(prefix)}
+        found = load_file(str(path)) if data is None else load(data)
+        tensors = {k.removeprefix(prefix): v for k, v in found.items() if k.startswith(prefix)}
     except FileNotFoundError:
         raise TfmError(f"weights file '{path}' is missing") from None
     except (SafetensorError, OSError, ValueError) as e:

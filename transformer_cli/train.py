@@ -784,8 +784,13 @@ def build_run(cfg: Config, rt: Runtime, model: torch.nn.Module, task: Task, resu
             # the best model as of the checkpoint, not whatever a later (or another) run saved since; a damaged
             # copy is refused before it replaces the output's model
             best = resume_dir / ckpt.BEST_FILE
-            ckpt.checked_weights(best, model.state_dict())
-            atomic_write_bytes(out / ckpt.MODEL_FILE, best.read_bytes())
+            try:
+                data = best.read_bytes()
+            except OSError as e:
+                raise TfmError(f"the checkpoint's best model '{best}' is unreadable ({e.strerror}); pick another "
+                               "checkpoint with --resume-from") from None
+            ckpt.checked_weights(best, model.state_dict(), data=data)
+            atomic_write_bytes(out / ckpt.MODEL_FILE, data)
         for name, text in files.items():
             atomic_write_text(out / name, text)
     engine: torch.nn.Module = model
