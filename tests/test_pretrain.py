@@ -746,7 +746,9 @@ def test_fine_tuning_takes_the_encoders_sizes_and_refuses_contradicting_ones(pre
     out, _ = pretrained
     cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))
     assert cfg.model.d_model == 32 and cfg.data.vocab_size == 500  # from the encoder's config.json
-    for key, value in {"model.d_model": 64, "data.vocab_size": 900, "data.lowercase": False}.items():
+    changes = {"model.d_model": 64, "data.vocab_size": 900, "data.lowercase": False,
+               "data.max_length": 2 * cfg.data.max_length}  # learned positions: a table of max_length rows
+    for key, value in changes.items():
         with pytest.raises(UsageError, match=f"{key} = .* contradicts the pretrained encoder"):
             tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out), **{key.replace(".", "__"): value})
 
@@ -762,6 +764,28 @@ def test_fine_tuning_keeps_a_rope_encoders_positions(synthetic_data_dir, tmp_pat
         tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), model__pos_emb="learned")
     assert train(cfg, progress=False)["steps"] == 3
     assert json.loads((tmp_path / "ft" / ckpt.CONFIG_FILE).read_text())["model"]["pos_emb"] == "rope"
+
+
+def test_fine_tuning_from_a_rope_encoder_may_read_longer_texts(synthetic_data_dir, tmp_path):
+    """Rotary positions hold no table, so data.max_length is the classifier's to choose; it defaults to the
+    encoder's, and the encoder's weights load the same whatever it is."""
+    pre = tmp_path / "pre"
+    pretrain(pretrain_config(synthetic_data_dir, pre, model__pos_emb="rope", pretrain__window=16,
+                             train__max_steps=2), progress=False)
+    encoder_length = json.loads((pre / ckpt.CONFIG_FILE).read_text())["data"]["max_length"]
+    assert tiny_config(synthetic_data_dir, tmp_path / "a", train__init_from=str(pre)).data.max_length == encoder_length
+    longer = 4 * encoder_length
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), data__max_length=longer,
+                      train__max_steps=2)
+    assert cfg.data.max_length == longer
+    run = setup(cfg, make_runtime("cpu", "fp32"))
+    saved = load_file(pre / ckpt.MODEL_FILE)
+    for name, tensor in run.model.encoder.state_dict().items():
+        assert torch.equal(tensor, saved[f"encoder.{name}"]), name
+    assert run.model.encoder.max_length == longer
+    assert run.task.lengths.max() > encoder_length  # it trains on rows the encoder's setting would have cut
+    assert train(cfg, progress=False)["steps"] == 2
+    assert json.loads((tmp_path / "ft" / ckpt.CONFIG_FILE).read_text())["data"]["max_length"] == longer
 
 
 def test_a_fine_tuned_run_trains_and_resumes(pretrained, synthetic_data_dir, tmp_path):

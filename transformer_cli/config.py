@@ -484,9 +484,12 @@ def with_local_paths(d: dict[str, Any]) -> dict[str, Any]:
 
 
 FORMAT_VERSION = 1  # of a run's config.json
-# What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index.
+# What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index. data.max_length too where
+# the encoder learnt a table of that many positions; rotary or sinusoidal positions hold no table, so the
+# classifier may read longer (or shorter) reviews than the encoder's setting, which is then only its default.
 ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "norm", "pos_emb"),
                   "data": ("tokenizer", "vocab_size", "lowercase", "max_length")}
+TABLE_FIELDS = {("data", "max_length")}  # ENCODER_FIELDS fixed only with model.pos_emb = "learned"
 _NGRAM = "the classifier's n-gram path"
 _HELD_OUT = "the classifier's validation data; pretraining holds out pretrain.val_texts texts"
 _LOSS = "it shapes the classifier's loss"
@@ -526,7 +529,8 @@ def check_command_overrides(command: str, overrides: dict[str, Any]) -> None:
 
 def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     """With `train.init_from`: the encoder's sizes and tokenizer settings taken from that directory's
-    config.json, and init_from made absolute. A setting in `d` that contradicts them is refused."""
+    config.json, and init_from made absolute. A setting in `d` that contradicts them is refused, but for
+    data.max_length over an encoder without a learnt position table (TABLE_FIELDS)."""
     init = d.get("train", {}).get("init_from")
     if not init:
         return d
@@ -558,6 +562,9 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
             except (KeyError, TypeError):
                 raise TfmError(f"'{path}' is incomplete: it has no {section}.{key}; pretrain again") from None
             mine = out.setdefault(section, {}).get(key, theirs)
+            if (section, key) in TABLE_FIELDS and saved["model"]["pos_emb"] != "learned":
+                out[section][key] = mine
+                continue
             if mine != theirs:
                 raise UsageError(f"{section}.{key} = {mine!r} contradicts the pretrained encoder in '{init}' "
                                  f"({theirs!r}); leave it out: the encoder's sizes and tokenizer come from there")
