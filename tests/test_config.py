@@ -96,6 +96,9 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"pretrain": {"splits": "[train]"}}, ["pretrain.splits", "quote a list's strings"]),
         ({"model": {"dropout": ".5"}}, ["model.dropout", "expected float", "numbers as 0.5"]),
         ({"train": {"output_dir": 2024}}, ["train.output_dir", "expected str", 'a string in quotes, "2024"']),
+        ({"data": {"max_length": 512, "train_max_length": 1024}}, ["data.train_max_length", "1024", "512"]),
+        ({"data": {"train_max_length": 1}}, ["data.train_max_length", "between 2 and data.max_length"]),
+        ({"data": {"train_max_length": 256}}, ["data.train_max_length = 256", "learned positions", "rope"]),
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
@@ -103,13 +106,20 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
          "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty",
          "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge", "length-huge",
          "threads-huge", "ngram-buckets-huge", "generator-huge", "str-for-list", "unquoted-list", "toml-float",
-         "int-for-str"],
+         "int-for-str", "train-length-over", "train-length-1", "train-length-learned"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
     with pytest.raises(UsageError) as e:
         Config.from_dict(d)
     for part in expected:
         assert part in str(e.value)
+
+
+def test_a_shorter_training_length_is_allowed_where_positions_hold_no_table():
+    for pos_emb in ("rope", "sinusoidal"):
+        cfg = Config.from_dict({"model": {"pos_emb": pos_emb}, "data": {"max_length": 1024, "train_max_length": 512}})
+        assert (cfg.data.max_length, cfg.data.train_max_length) == (1024, 512)
+    assert Config.from_dict({"data": {"max_length": 512, "train_max_length": 512}}).data.train_max_length == 512
 
 
 @pytest.mark.parametrize(("objective", "field", "value", "for_"), [

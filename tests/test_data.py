@@ -852,6 +852,18 @@ def test_changed_max_length_reuses_the_tokenizer_but_reencodes(data_cfg, monkeyp
     assert shorter.train.lengths.max() == 8 < first.train.lengths.max()
 
 
+def test_train_max_length_cuts_the_training_reviews_only(data_cfg):
+    """Training reviews are encoded as at max_length=train_max_length (the same cut, head and tail);
+    validation keeps max_length."""
+    whole = prepare_train_data(data_cfg, seed=0)
+    cut = prepare_train_data(dataclasses.replace(data_cfg, train_max_length=8), seed=0)
+    short = prepare_train_data(dataclasses.replace(data_cfg, max_length=8), seed=0)
+    assert cut.train.lengths.max() == 8 < whole.train.lengths.max()
+    for field in ("ids", "offsets", "labels"):
+        assert np.array_equal(getattr(cut.train, field), getattr(short.train, field)), field
+        assert np.array_equal(getattr(cut.val, field), getattr(whole.val, field)), field
+
+
 @pytest.mark.parametrize("change", [{"truncation": "head"}, {"head_fraction": 0.75}, {"lowercase": False},
                                     {"vocab_size": 100}, {"tokenizer": "bpe"}], ids=lambda c: next(iter(c)))
 def test_a_changed_setting_is_not_served_from_the_cache(data_cfg, tmp_path, change):

@@ -518,7 +518,7 @@ CLASSIFIER_VALUES = {
     "data.val_size": 0.2, "data.val_block": 5, "data.max_eval_samples": 5, "data.pseudo_labels": "nonexistent.jsonl",
     "data.pseudo_min_score": 0.9, "train.label_smoothing": 0.1, "train.adversarial_eps": 0.01,
     "train.virtual_adversarial_eps": 0.01, "train.test_at_end": True, "train.calibrate": False,
-    "train.init_from": "runs/pretrain",
+    "train.init_from": "runs/pretrain", "data.train_max_length": 64,  # tiny.toml's max_length: valid with learned positions
 }
 
 

@@ -130,6 +130,16 @@ def test_the_model_learns_the_synthetic_task(trained_run):
     assert metrics["val"]["accuracy"] >= 0.85
 
 
+def test_train_max_length_trains_on_cut_reviews_and_validates_and_reads_whole_ones(synthetic_data_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny_config(synthetic_data_dir, out, model__pos_emb="rope", data__train_max_length=16, train__max_steps=3)
+    run = train_mod.setup(cfg, runtime.make_runtime("cpu", "fp32"))
+    assert run.task.lengths.max() == 16 < run.task.val.lengths.max() <= cfg.data.max_length
+    assert train(cfg, progress=False)["steps"] == 3
+    saved = load_model_dir(out).cfg.data
+    assert (saved.max_length, saved.train_max_length) == (cfg.data.max_length, 16)  # predict reads max_length
+
+
 def test_checkpoints_are_written_every_checkpoint_every_steps_and_each_epoch(trained_run, tiny_cfg):
     out, metrics = trained_run
     every, per_epoch = tiny_cfg.train.checkpoint_every, steps_per_epoch(tiny_cfg)

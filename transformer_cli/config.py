@@ -178,6 +178,9 @@ class DataConfig(_Section):
     vocab_size: int = 30000
     lowercase: bool = True
     max_length: int = 1024  # tokens per review, including the leading [CLS]
+    # Tokens per training review (default: max_length). Shorter trains on cut reviews and still validates, tests and
+    # predicts on max_length: attention's cost grows with length, and rotary positions read past where they trained.
+    train_max_length: int | None = None
     truncation: Literal["head", "head_tail"] = "head_tail"
     head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
@@ -200,6 +203,8 @@ class DataConfig(_Section):
             self._fail("vocab_size", f"must be between 100 and {MAX_VOCAB:,}")
         if not 2 <= self.max_length <= MAX_LENGTH:
             self._fail("max_length", f"must be between 2 and {MAX_LENGTH:,}")
+        if self.train_max_length is not None and not 2 <= self.train_max_length <= self.max_length:
+            self._fail("train_max_length", f"must be between 2 and data.max_length ({self.max_length:,}), or unset")
         if not 0.0 <= self.head_fraction <= 1.0:
             self._fail("head_fraction", "must be in [0, 1]")
         for name in ("max_train_samples", "max_eval_samples"):
@@ -364,6 +369,12 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
+    def __post_init__(self) -> None:
+        cut = self.data.train_max_length
+        if cut is not None and cut < self.data.max_length and self.model.pos_emb == "learned":
+            raise UsageError(f"data.train_max_length = {cut!r} is below data.max_length with learned positions, whose "
+                             "rows past it would never train: set model.pos_emb to rope or sinusoidal, or unset it")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
         _check_sections(d)
@@ -502,6 +513,7 @@ CLASSIFIER_ONLY = {
     "data.label_column": "the labels, which pretraining never reads",
     "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT, "data.val_block": _HELD_OUT,
     "data.max_eval_samples": "the classifier's validation and test sets",
+    "data.train_max_length": "the classifier's training reviews; pretraining cuts windows of pretrain.window tokens",
     "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
     "train.label_smoothing": _LOSS, "train.adversarial_eps": _LOSS, "train.virtual_adversarial_eps": _LOSS,
     "train.test_at_end": "the test split, which pretraining never reads",

@@ -985,7 +985,8 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
 
 def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple[str, ...] = ()) -> Prepared:
     """Load train and the validation split (train_val_splits), add the pseudo-labelled reviews to train
-    (data.pseudo_labels), train the tokenizer (unless one is given), encode both."""
+    (data.pseudo_labels), train the tokenizer (unless one is given), encode both (train cut to
+    data.train_max_length)."""
     if cfg.pseudo_labels is None and cfg.pseudo_min_score > 0:  # e.g. configs/self-train.toml alone
         raise UsageError("data.pseudo_min_score is set but data.pseudo_labels is not: pass "
                          "data.pseudo_labels=FILE, a file written by `tfm pseudo-label`")
@@ -1002,10 +1003,11 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
         train_raw = RawSplit(train_raw.texts + extra.texts, np.concatenate([train_raw.labels, extra.labels]))
     train_fp = train_raw.fingerprint()
     tok = tokenizer or cached_tokenizer(train_raw.texts, len(train_raw), cfg, train_fp)
+    train_cfg = replace(cfg, max_length=cfg.train_max_length or cfg.max_length)
     return Prepared(
         tokenizer=tok,
         labels=label_names,
-        train=cached_encode(tok, train_raw, cfg, train_fp),
+        train=cached_encode(tok, train_raw, train_cfg, train_fp),
         val=cached_encode(tok, val_raw, cfg, val_raw.fingerprint()),
         val_split=val_split,
         val_texts=val_raw.texts,
