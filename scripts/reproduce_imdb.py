@@ -23,7 +23,7 @@ train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
 hours) and finetune-long.toml; `--pair 2h` configs/pretrain-2h.toml (the same encoder with rotary
-positions, 2,900 steps) and finetune-long.toml, the whole pipeline sized for about 2 hours on 2 Xeon
+positions, 2,900 steps) and finetune-2h.toml (finetune-long.toml's, reading 1,024 tokens), the whole pipeline sized for about 2 hours on 2 Xeon
 cores with AMX. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm pretrain --max-steps N`,
 its learning rate decaying over them): `--pair long --pretrain-steps 3300` is the long recipe cut
 to 2 hours.
@@ -71,7 +71,7 @@ RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
 PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml"),
          "long": ("pretrain-long.toml", "finetune-long.toml"),  # long: the CPU-sized encoder, pretrained for hours
-         "2h": ("pretrain-2h.toml", "finetune-long.toml")}  # 2h: the same with rotary positions, 2 CPU hours in all
+         "2h": ("pretrain-2h.toml", "finetune-2h.toml")}  # 2h: the same with rotary positions, 2 CPU hours in all
 # The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
 ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.
@@ -116,10 +116,10 @@ def config_args(recipe: str, seed: int, out_root: Path, pair: str = "cpu") -> li
     if recipe == "word-vectors":
         return ["--init-from", str(out_root / ENCODERS[recipe])]
     if recipe == "scratch":  # the encoder's sizes and tokenizer settings, as `pretrained` reads them
-        with open(pretrain_toml, "rb") as f:
-            sizes = tomllib.load(f)
+        sizes, own = (tomllib.loads(path.read_text(encoding="utf-8")) for path in (pretrain_toml, finetune_toml))
+        # A field the fine-tuning sets itself is one the encoder leaves to it (data.max_length over rotary positions).
         overrides = [f"{section}.{key}={json.dumps(sizes[section][key])}" for section, keys in ENCODER_FIELDS.items()
-                     for key in keys if key in sizes.get(section, {})]
+                     for key in keys if key in sizes.get(section, {}) and key not in own.get(section, {})]
         return ["--config", str(finetune_toml), *overrides]
     return ["--config", str(ROOT / "configs" / f"{recipe}.toml"), *RECIPE_ARGS.get(recipe, [])]
 

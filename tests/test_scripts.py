@@ -628,24 +628,40 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
         again.stderr)
 
 
+@pytest.mark.parametrize(("pair", "length"), [("long", ["data.max_length=512"]), ("2h", [])])
+def test_the_ablation_reads_as_far_as_the_fine_tuning_does(tmp_path, pair, length):
+    """"scratch" takes the encoder's sizes, but not a setting the fine-tuning recipe gives itself: over
+    rotary positions finetune-2h.toml reads 1,024 tokens where pretrain-2h.toml says 512."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduce_imdb", REPO / "scripts" / "reproduce_imdb.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.config_args("scratch", 1, tmp_path, pair)
+    assert args[:2] == ["--config", str(REPO / "configs" / f"finetune-{pair}.toml")]
+    assert "model.d_model=256" in args and "model.n_layers=4" in args  # the encoder's sizes
+    assert [a for a in args if a.startswith("data.max_length=")] == length
+
+
 @pytest.mark.parametrize("pair", ["gpu", "long", "2h"])
 def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablation(unlabelled_data_dir, tmp_path, pair):
     """--pair gpu (long, 2h): configs/pretrain-gpu.toml (pretrain-long.toml, pretrain-2h.toml) pretrains,
-    configs/finetune-gpu.toml (finetune-long.toml) fine-tunes both the encoder and its random-init ablation
-    (shrunk here by overrides, which come after the recipes). --pretrain-steps cuts the pretraining alone."""
+    configs/finetune-gpu.toml (finetune-long.toml, finetune-2h.toml) fine-tunes both the encoder and its random-init
+    ablation (shrunk here by overrides, which come after the recipes). --pretrain-steps cuts the pretraining alone."""
     runs = tmp_path / "runs"
     steps = {"gpu": [], "long": ["--pretrain-steps", "5"], "2h": ["--pretrain-steps", "5"]}[pair]
-    finetune = {"gpu": "gpu", "long": "long", "2h": "long"}[pair]
+    finetune = pair
+    cut = ["data.train_max_length=32"] if pair == "2h" else []  # finetune-2h.toml's 512 is over SHRINK's max_length
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
            "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, *steps, "--",
-           *SHRINK, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+           *SHRINK, *cut, "pretrain.val_texts=40", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
            "train.batch_size=16"]
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-2000:]
     pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
     tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
     assert pretrain["pretrain"]["window"] == 128  # the pretraining recipe's
-    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8)}[finetune]  # finetune-{finetune}.toml's
+    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8), "2h": (2e-4, 0.8)}[finetune]  # finetune-{pair}.toml's
     assert tuned["train"]["lr"] == scratch["train"]["lr"] == lr
     assert tuned["train"]["layer_lr_decay"] == scratch["train"]["layer_lr_decay"] == layer_lr_decay
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
@@ -655,6 +671,7 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
     assert f"configs/finetune-{finetune}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
     assert scratch["model"]["pos_emb"] == ("rope" if pair == "2h" else "learned")
+    assert tuned["data"]["train_max_length"] == scratch["data"]["train_max_length"] == (32 if pair == "2h" else None)
     # train.max_steps=3 for every run; --pretrain-steps beats it for the pretraining alone
     assert json.loads((runs / "pretrain" / "metrics.json").read_text())["steps"] == {"gpu": 3, "long": 5, "2h": 5}[pair]
     assert json.loads((runs / "pretrained-s1" / "metrics.json").read_text())["steps"] == 3
