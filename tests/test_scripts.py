@@ -650,7 +650,6 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     ablation (shrunk here by overrides, which come after the recipes). --pretrain-steps cuts the pretraining alone."""
     runs = tmp_path / "runs"
     steps = {"gpu": [], "long": ["--pretrain-steps", "5"], "2h": ["--pretrain-steps", "5"]}[pair]
-    finetune = pair
     cut = ["data.train_max_length=32"] if pair == "2h" else []  # finetune-2h.toml's 512 is over SHRINK's max_length
     cmd = [sys.executable, str(REPO / "scripts" / "reproduce_imdb.py"), "--data", str(unlabelled_data_dir),
            "--out", str(runs), "--recipes", "pretrained", "scratch", "--seeds", "1", "--pair", pair, *steps, "--",
@@ -661,7 +660,7 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     pretrain = json.loads((runs / "pretrain" / "config.json").read_text())
     tuned, scratch = (json.loads((runs / f"{name}-s1" / "config.json").read_text()) for name in ("pretrained", "scratch"))
     assert pretrain["pretrain"]["window"] == 128  # the pretraining recipe's
-    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8), "2h": (2e-4, 0.8)}[finetune]  # finetune-{pair}.toml's
+    lr, layer_lr_decay = {"gpu": (1e-4, 1.0), "long": (2e-4, 0.8), "2h": (2e-4, 0.8)}[pair]  # finetune-{pair}.toml's
     assert tuned["train"]["lr"] == scratch["train"]["lr"] == lr
     assert tuned["train"]["layer_lr_decay"] == scratch["train"]["layer_lr_decay"] == layer_lr_decay
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
@@ -669,7 +668,7 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
                          ("data", "vocab_size")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
-    assert f"configs/finetune-{finetune}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
+    assert f"configs/finetune-{pair}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
     assert scratch["model"]["pos_emb"] == ("rope" if pair == "2h" else "learned")
     assert tuned["data"]["train_max_length"] == scratch["data"]["train_max_length"] == (32 if pair == "2h" else None)
     # train.max_steps=3 for every run; --pretrain-steps beats it for the pretraining alone
