@@ -629,15 +629,11 @@ def test_reproduce_teaches_the_transformer_alone_with_the_wide_and_deep_runs_lab
 
 
 @pytest.mark.parametrize(("pair", "length"), [("long", ["data.max_length=512"]), ("2h", [])])
-def test_the_ablation_reads_as_far_as_the_fine_tuning_does(tmp_path, pair, length):
+def test_the_ablation_reads_as_far_as_the_fine_tuning_does(tmp_path, pair, length, monkeypatch):
     """"scratch" takes the encoder's sizes, but not a setting the fine-tuning recipe gives itself: over
     rotary positions finetune-2h.toml reads 1,024 tokens where pretrain-2h.toml says 512."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("reproduce_imdb", REPO / "scripts" / "reproduce_imdb.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    args = script.config_args("scratch", 1, tmp_path, pair)
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    args = importlib.import_module("reproduce_imdb").config_args("scratch", 1, tmp_path, pair)
     assert args[:2] == ["--config", str(REPO / "configs" / f"finetune-{pair}.toml")]
     assert "model.d_model=256" in args and "model.n_layers=4" in args  # the encoder's sizes
     assert [a for a in args if a.startswith("data.max_length=")] == length
