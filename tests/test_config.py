@@ -273,7 +273,8 @@ def test_saved_configs_get_the_values_of_fields_added_after_them():
     assert with_legacy_values({"model": {"d_model": 64}})["model"]["ngram_buckets"] == 0
     # Saved with the first n-gram path (bigrams, every occurrence counted, one loss): rebuilt as it was trained.
     first = with_legacy_values({"model": {"ngram_buckets": 1 << 20}, "data": {}})
-    assert first["model"] == {"ngram_buckets": 1 << 20, "ngram_order": 2, "ngram_binary": False, "ngram_own_loss": False}
+    assert first["model"] == {"ngram_buckets": 1 << 20, "ngram_order": 2, "ngram_binary": False, "ngram_own_loss": False,
+                              "ff": "gelu"}  # and saved before gated feed-forward layers: the plain one
     assert first["data"] == {"val_block": 1, "val_split": ""}  # validated on a part held out of train
     # A field that was saved keeps its value.
     assert with_legacy_values({"model": {"ngram_order": 3, "ngram_binary": True}})["model"]["ngram_order"] == 3

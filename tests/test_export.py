@@ -96,7 +96,7 @@ def random_model_dir(trained_dir, where, recipe: str | None, **model) -> object:
 @pytest.mark.parametrize(("recipe", "model"), [
     ("seed.toml", {}),  # post-norm, max pooling, 8 heads, max_length 256
     ("tiny.toml", {"ngram_buckets": 64, "pos_emb": "sinusoidal", "pooling": "first"}),  # the n-gram path's sort
-    ("tiny.toml", {"pos_emb": "rope"}),  # rotary positions traced into the graph
+    ("tiny.toml", {"pos_emb": "rope", "ff": "geglu"}),  # rotary positions and gated feed-forward layers traced
 ])
 def test_export_at_recipe_sizes_gives_predicts_probabilities(trained_dir, tmp_path, recipe, model):
     model_dir = random_model_dir(trained_dir, tmp_path / "model", recipe, **model)

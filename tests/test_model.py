@@ -10,6 +10,7 @@ from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID
 from transformer_cli.errors import UsageError
 from transformer_cli.model import (
+    GEGLU,
     CTransformer,
     NgramBag,
     SelfAttention,
@@ -18,6 +19,7 @@ from transformer_cli.model import (
     drop_tokens,
     dropout,
     fused_attention,
+    geglu_hidden,
     kl_from,
     pool,
     rotary,
@@ -148,6 +150,17 @@ VARIANTS = list(itertools.product(["max", "mean", "first"], ["pre", "post"], ["l
                                   ["sdpa", "explicit"]))
 
 
+@pytest.mark.parametrize("ff", ["gelu", "geglu"])
+def test_extra_padding_does_not_change_the_logits_with_either_feed_forward_layer(ff):
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(ff=ff, pos_emb="rope"), VOCAB, MAX_LEN).eval()
+    ids, mask = random_batch(LENGTHS)
+    padded_ids = torch.cat([ids, torch.full((len(LENGTHS), 5), PAD_ID)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(len(LENGTHS), 5, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        assert torch.allclose(model(ids, mask), model(padded_ids, padded_mask), atol=1e-5)
+
+
 @pytest.mark.parametrize(("pooling", "norm", "pos_emb", "attention"), VARIANTS)
 def test_extra_padding_does_not_change_the_logits(pooling, norm, pos_emb, attention):
     torch.manual_seed(0)
@@ -163,6 +176,30 @@ def test_extra_padding_does_not_change_the_logits(pooling, norm, pos_emb, attent
         singles = torch.cat([model(ids[i : i + 1, :n], mask[i : i + 1, :n]) for i, n in enumerate(LENGTHS)])
     assert torch.allclose(logits, logits_padded, atol=1e-5)
     assert torch.allclose(logits, singles, atol=1e-5)  # and equal to each row on its own, unpadded
+
+
+def test_geglu_equals_its_formula_and_keeps_about_the_plain_layers_parameters():
+    torch.manual_seed(0)
+    cfg = model_cfg(d_model=96, ff_mult=4, ff="geglu")
+    assert geglu_hidden(cfg) == 256  # 2/3 of 384, rounded up to a multiple of 64
+    layer = GEGLU(96, geglu_hidden(cfg))
+    x = torch.randn(3, 5, 96)
+    W, V = layer.up.weight[:256], layer.up.weight[256:]
+    b, c = layer.up.bias[:256], layer.up.bias[256:]
+    expected = (F.gelu(x @ W.T + b) * (x @ V.T + c)) @ layer.down.weight.T + layer.down.bias
+    assert torch.allclose(layer(x), expected, atol=1e-5)
+    plain = CTransformer(model_cfg(d_model=96, ff_mult=4), VOCAB, MAX_LEN)
+    gated = CTransformer(cfg, VOCAB, MAX_LEN)
+    assert isinstance(gated.encoder.blocks[0].ff, GEGLU)
+    assert 1.0 < gated.num_params() / plain.num_params() < 1.05
+
+
+def test_geglu_output_projection_gets_the_depth_scaled_init():
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(d_model=64, ff="geglu", n_layers=8), VOCAB, MAX_LEN)
+    ff = model.encoder.blocks[0].ff
+    assert ff.up.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert ff.down.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
 @pytest.fixture

@@ -766,6 +766,32 @@ def test_fine_tuning_keeps_a_rope_encoders_positions(synthetic_data_dir, tmp_pat
     assert json.loads((tmp_path / "ft" / ckpt.CONFIG_FILE).read_text())["model"]["pos_emb"] == "rope"
 
 
+def test_fine_tuning_keeps_a_gated_encoders_feed_forward_layers(synthetic_data_dir, tmp_path):
+    pre = tmp_path / "pre"
+    pretrain(pretrain_config(synthetic_data_dir, pre, model__ff="geglu", train__max_steps=2), progress=False)
+    assert any(".ff.up." in name for name in load_file(pre / ckpt.MODEL_FILE))
+    cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), train__max_steps=2)
+    assert cfg.model.ff == "geglu"  # from the encoder's config.json
+    with pytest.raises(UsageError, match="model.ff = 'gelu' contradicts the pretrained encoder"):
+        tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), model__ff="gelu")
+    run = setup(cfg, make_runtime("cpu", "fp32"))
+    saved = load_file(pre / ckpt.MODEL_FILE)
+    for name, tensor in run.model.encoder.state_dict().items():
+        assert torch.equal(tensor, saved[f"encoder.{name}"]), name
+
+
+def test_an_encoder_saved_before_model_ff_existed_reads_as_gelu(pretrained, synthetic_data_dir, tmp_path):
+    out, _ = pretrained
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    meta = json.loads((old / ckpt.CONFIG_FILE).read_text())
+    del meta["model"]["ff"]
+    (old / ckpt.CONFIG_FILE).write_text(json.dumps(meta))
+    assert tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(old)).model.ff == "gelu"
+    with pytest.raises(UsageError, match="model.ff = 'geglu' contradicts the pretrained encoder"):
+        tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(old), model__ff="geglu")
+
+
 def test_fine_tuning_from_a_rope_encoder_may_read_longer_texts(synthetic_data_dir, tmp_path):
     """Rotary positions hold no table, so data.max_length is the classifier's to choose; it defaults to the
     encoder's, and the encoder's weights load the same whatever it is."""

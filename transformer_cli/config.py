@@ -130,6 +130,7 @@ class ModelConfig(_Section):
     n_heads: int = 2  # head size 32: the CPU attention kernels run faster than at 16
     n_layers: int = 2
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
+    ff: Literal["gelu", "geglu"] = "gelu"  # geglu: gated, hidden 2/3 as wide (about the same parameters)
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
     attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
     token_dropout: float = 0.5  # training only: share of tokens hidden from the transformer (like padding)
@@ -394,7 +395,7 @@ class Config:
 # Fields added after runs were first saved, with the value that reproduces what older runs did.
 LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("model", "ngram_order"): 2, ("model", "ngram_binary"): False,
                  ("model", "ngram_own_loss"): False, ("data", "val_block"): 1, ("data", "val_split"): "",
-                 ("train", "calibrate"): False}
+                 ("train", "calibrate"): False, ("model", "ff"): "gelu"}
 
 
 def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:
@@ -498,7 +499,7 @@ FORMAT_VERSION = 1  # of a run's config.json
 # What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index. data.max_length too where
 # the encoder learnt a table of that many positions; rotary or sinusoidal positions hold no table, so the
 # classifier may read longer (or shorter) reviews than the encoder's setting, which is then only its default.
-ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "norm", "pos_emb"),
+ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "ff", "norm", "pos_emb"),
                   "data": ("tokenizer", "vocab_size", "lowercase", "max_length")}
 TABLE_FIELDS = {("data", "max_length")}  # ENCODER_FIELDS fixed only with model.pos_emb = "learned"
 _NGRAM = "the classifier's n-gram path"
@@ -562,6 +563,7 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         version = saved.get("format_version") if isinstance(saved, dict) else None
         raise TfmError(f"'{path}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    saved = with_legacy_values(saved)
     if not (folder / "tokenizer.json").is_file():  # another tokenizer's ids would index the wrong embedding rows
         raise TfmError(f"--init-from '{init}' has no tokenizer.json, which its encoder's token ids belong to; "
                        "pass the whole output directory of `tfm pretrain`")
