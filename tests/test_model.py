@@ -184,8 +184,8 @@ def test_geglu_equals_its_formula_and_keeps_about_the_plain_layers_parameters():
     assert geglu_hidden(cfg) == 256  # 2/3 of 384, rounded up to a multiple of 64
     layer = GEGLU(96, geglu_hidden(cfg))
     x = torch.randn(3, 5, 96)
-    W, V = layer.up.weight[:256], layer.up.weight[256:]
-    b, c = layer.up.bias[:256], layer.up.bias[256:]
+    W, V, b, c = layer.gate.weight, layer.value.weight, layer.gate.bias, layer.value.bias
+    assert W.shape == V.shape == (256, 96)
     expected = (F.gelu(x @ W.T + b) * (x @ V.T + c)) @ layer.down.weight.T + layer.down.bias
     assert torch.allclose(layer(x), expected, atol=1e-5)
     plain = CTransformer(model_cfg(d_model=96, ff_mult=4), VOCAB, MAX_LEN)
@@ -198,7 +198,8 @@ def test_geglu_output_projection_gets_the_depth_scaled_init():
     torch.manual_seed(0)
     model = CTransformer(model_cfg(d_model=64, ff="geglu", n_layers=8), VOCAB, MAX_LEN)
     ff = model.encoder.blocks[0].ff
-    assert ff.up.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert ff.gate.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert ff.value.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert ff.down.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 

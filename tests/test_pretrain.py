@@ -769,7 +769,7 @@ def test_fine_tuning_keeps_a_rope_encoders_positions(synthetic_data_dir, tmp_pat
 def test_fine_tuning_keeps_a_gated_encoders_feed_forward_layers(synthetic_data_dir, tmp_path):
     pre = tmp_path / "pre"
     pretrain(pretrain_config(synthetic_data_dir, pre, model__ff="geglu", train__max_steps=2), progress=False)
-    assert any(".ff.up." in name for name in load_file(pre / ckpt.MODEL_FILE))
+    assert any(".ff.gate." in name for name in load_file(pre / ckpt.MODEL_FILE))
     cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(pre), train__max_steps=2)
     assert cfg.model.ff == "geglu"  # from the encoder's config.json
     with pytest.raises(UsageError, match="model.ff = 'gelu' contradicts the pretrained encoder"):

@@ -193,12 +193,14 @@ class GEGLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.up = nn.Linear(d_model, 2 * hidden)  # W and V side by side
+        # W and V as two layers, not one of twice the width cut in halves: elementwise work on the halves' strided
+        # views made the layer 1.24x the plain one's time on a CPU, against 1.07x (docs/experiments.md).
+        self.gate = nn.Linear(d_model, hidden)
+        self.value = nn.Linear(d_model, hidden)
         self.down = nn.Linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, value = self.up(x).chunk(2, dim=-1)  # (..., hidden) each
-        return self.down(F.gelu(gate) * value)
+        return self.down(F.gelu(self.gate(x)) * self.value(x))  # (..., hidden) -> (..., C)
 
 
 class Encoder(nn.Module):
