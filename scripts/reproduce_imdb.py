@@ -23,7 +23,7 @@ train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
 hours) and finetune-long.toml; `--pair 2h` configs/pretrain-2h.toml (the same encoder with rotary
-positions, 2,900 steps) and finetune-2h.toml (finetune-long.toml's, reading 1,024 tokens), the whole
+positions and gated feed-forward layers, 2,750 steps) and finetune-2h.toml (finetune-long.toml's, reading 1,024 tokens), the whole
 pipeline sized for about 2 hours on 2 Xeon cores with AMX. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm pretrain --max-steps N`,
 its learning rate decaying over them): `--pair long --pretrain-steps 3300` is the long recipe cut
 to 2 hours.
@@ -71,7 +71,7 @@ RECIPE_ARGS = {"seed": ["--epochs", "1"]}
 # The pretraining and fine-tuning recipes of "pretrained" and "scratch", by machine.
 PAIRS = {"cpu": ("pretrain.toml", "finetune.toml"), "gpu": ("pretrain-gpu.toml", "finetune-gpu.toml"),
          "long": ("pretrain-long.toml", "finetune-long.toml"),  # long: the CPU-sized encoder, pretrained for hours
-         "2h": ("pretrain-2h.toml", "finetune-2h.toml")}  # 2h: the same with rotary positions, 2 CPU hours in all
+         "2h": ("pretrain-2h.toml", "finetune-2h.toml")}  # 2h: the same, rotary and gated, 2 CPU hours in all
 # The folder under --out of the encoder a recipe fine-tunes (`tfm pretrain`'s output).
 ENCODERS = {"pretrained": "pretrain", "self-trained": "pretrain", "word-vectors": "word-vectors"}
 # The command that trained a run, kept in its folder so that a skipped run shows its own, not this one's.

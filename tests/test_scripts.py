@@ -661,11 +661,12 @@ def test_reproduce_runs_another_pair_for_the_pretrained_pipeline_and_its_ablatio
     assert tuned["train"]["layer_lr_decay"] == scratch["train"]["layer_lr_decay"] == layer_lr_decay
     assert tuned["train"]["init_from"] == str((runs / "pretrain").resolve()) and scratch["train"]["init_from"] is None
     for section, key in [("model", "d_model"), ("model", "n_heads"), ("model", "n_layers"), ("model", "pos_emb"),
-                         ("data", "vocab_size")]:
+                         ("model", "ff"), ("data", "vocab_size")]:
         assert tuned[section][key] == scratch[section][key], key  # the same sizes, from random init
     assert f"configs/pretrain-{pair}.toml" in (runs / "pretrain" / "command.txt").read_text()
     assert f"configs/finetune-{pair}.toml" in (runs / "pretrained-s1" / "command.txt").read_text()
     assert scratch["model"]["pos_emb"] == ("rope" if pair == "2h" else "learned")
+    assert scratch["model"]["ff"] == ("geglu" if pair == "2h" else "gelu")
     assert tuned["data"]["train_max_length"] == scratch["data"]["train_max_length"] == (32 if pair == "2h" else None)
     # train.max_steps=3 for every run; --pretrain-steps beats it for the pretraining alone
     assert json.loads((runs / "pretrain" / "metrics.json").read_text())["steps"] == {"gpu": 3, "long": 5, "2h": 5}[pair]
