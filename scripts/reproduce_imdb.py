@@ -23,8 +23,8 @@ train and all of those labels (`tfm train data.pseudo_labels=OUT/pseudo-wide-and
 `--pair gpu` takes configs/pretrain-gpu.toml and finetune-gpu.toml instead of the CPU pair for
 "pretrained" and "scratch"; `--pair long` takes configs/pretrain-long.toml (sized for a CPU given
 hours) and finetune-long.toml; `--pair 2h` configs/pretrain-2h.toml (the same encoder with rotary
-positions and gated feed-forward layers, 2,750 steps) and finetune-2h.toml (finetune-long.toml's, reading 1,024 tokens), the whole
-pipeline sized for about 2 hours on 2 Xeon cores with AMX. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm pretrain --max-steps N`,
+positions and gated feed-forward layers, 2,750 steps) and finetune-2h.toml (finetune-long.toml's,
+reading 1,024 tokens), the whole pipeline sized for about 2 hours on 2 Xeon cores with AMX. `--pretrain-steps N` ends the pair's pretraining after N steps (`tfm pretrain --max-steps N`,
 its learning rate decaying over them): `--pair long --pretrain-steps 3300` is the long recipe cut
 to 2 hours.
 
