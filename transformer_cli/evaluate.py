@@ -43,7 +43,7 @@ from transformer_cli.model import CTransformer
 from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
-BATCH_CALL_TOKENS = 64  # a forward pass's own cost (Python, dispatch) in padded tokens' worth of work
+BATCH_CALL_TOKENS = 256  # a forward pass's own cost (Python, dispatch) in padded tokens' worth of work
 CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
 
 
