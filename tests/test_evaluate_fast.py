@@ -14,6 +14,7 @@ import torch
 from conftest import one_at_a_time_logits
 
 from transformer_cli import evaluate as ev
+from transformer_cli import kernels
 from transformer_cli.config import ModelConfig
 from transformer_cli.data import Encoded
 from transformer_cli.model import CTransformer
@@ -115,9 +116,49 @@ def test_batch_plan_fills_batches_up_to_the_token_budget():
 
 def test_ranks_split_the_batches_between_them():
     enc = random_encoded(50)
-    per_rank = [ev.batches_for(enc, 4, Runtime(torch.device("cpu"), None, rank=r, world_size=3)) for r in range(3)]
+    per_rank = [ev.batches_for(random_model(), enc, 4, Runtime(torch.device("cpu"), None, rank=r, world_size=3))
+                for r in range(3)]
     flat = [i for batches in per_rank for b in batches for i in b.tolist()]
     assert sorted(flat) == list(range(50))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("batch_size", "max_tokens", "parts"), [(64, 4096, 2), (5, 100, 1), (16, 300, 3), (64, 1, 2)])
+def test_pack_plan_covers_every_example_once_in_even_passes(seed, batch_size, max_tokens, parts):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 1025, size=int(rng.integers(1, 80)))
+    plan = ev.pack_plan(lengths, batch_size, max_tokens, parts, attention_length=384)
+    assert sorted(i for idx in plan for i in idx.tolist()) == list(range(len(lengths)))
+    assert all(1 <= len(idx) <= batch_size for idx in plan)
+    flat = np.concatenate(plan)
+    assert (np.diff(lengths[flat]) >= 0).all()  # in length order
+    work = [float((lengths[idx] * (1 + lengths[idx] / 384)).sum()) for idx in plan]
+    heaviest = float((lengths * (1 + lengths / 384)).max())
+    if all(len(idx) < batch_size for idx in plan):  # cut by work alone
+        assert max(work) <= sum(work) / len(plan) + heaviest  # each within one text of an even share
+        k = min(len(lengths), math.ceil(math.ceil(lengths.sum() / max_tokens) / parts) * parts)
+        if heaviest <= sum(work) / k:  # no text is more than a share: k passes, a multiple of parts if it can be
+            assert len(plan) == k
+
+
+def test_pack_plan_gives_each_of_two_workers_half_the_work_of_a_few_scattered_reviews():
+    lengths = np.array([900, 60, 80, 70, 850, 65, 75, 90])
+    plan = ev.pack_plan(lengths, 64, 10**6, parts=2, attention_length=384)
+    assert [sorted(idx.tolist()) for idx in plan] == [[1, 2, 3, 4, 5, 6, 7], [0]]  # the 900 alone is half the work
+
+
+def test_collate_packed_lays_the_reviews_end_to_end_up_to_a_round_width():
+    from transformer_cli.data import PAD_ID, PAD_MULTIPLE, collate_packed
+
+    enc = random_encoded(9)
+    idx = np.array([4, 0, 7])
+    ids, offsets = collate_packed(enc, idx)
+    n = int(enc.lengths[idx].sum())
+    assert len(ids) % PAD_MULTIPLE == 0 and len(ids) - n < PAD_MULTIPLE and offsets[-1] == len(ids)
+    for k, i in enumerate(idx):
+        assert ids[offsets[k] : offsets[k + 1]].tolist() == enc.ids[enc.offsets[i] : enc.offsets[i + 1]].tolist()
+    assert len(offsets) == (len(idx) + 1 if n % PAD_MULTIPLE == 0 else len(idx) + 2)
+    assert (ids[n:] == PAD_ID).all()  # the slack text: [PAD]s whose logits are dropped
 
 
 @pytest.fixture
@@ -136,12 +177,31 @@ def two_torch_threads():
                                  {"pos_emb": "rope"}])
 @pytest.mark.parametrize("max_tokens", [64, 200, 10**9])
 @pytest.mark.parametrize("workers", [4, 1])
-def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, monkeypatch, two_torch_threads):
+@pytest.mark.parametrize("packed", [False, True])
+def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, packed, monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: max_tokens)
     monkeypatch.setattr(ev, "CPU_WORKERS", workers)
+    monkeypatch.setattr(ev, "packs", lambda model, rt: packed)  # packed: attention pads each pass (no kernel in fp32)
     model, enc = random_model(**cfg), random_encoded(60)
-    fast = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2).double()
+    fast = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2).double()
     torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)  # and in input order
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the packed path needs the AVX-512 BF16 attention kernel")
+def test_bf16_inference_packs_the_reviews_where_the_kernel_runs_and_keeps_their_logits(monkeypatch, two_torch_threads):
+    rt = Runtime(torch.device("cpu"), torch.bfloat16)
+    torch.manual_seed(3)
+    model = CTransformer(ModelConfig(d_model=64, n_heads=2, n_layers=2, pooling="max"), VOCAB, MAX_LEN).eval()
+    enc = random_encoded(70, seed=3)
+    assert ev.packs(model, rt) and not ev.packs(model, CPU)  # bf16 with the kernel; not fp32
+    calls = []
+    monkeypatch.setattr(model, "packed_logits", lambda *a, f=model.packed_logits: calls.append(1) or f(*a))
+    packed = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, rt), rt, 2)
+    monkeypatch.setattr(ev, "packs", lambda model, rt: False)
+    padded = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, rt), rt, 2)
+    assert calls
+    torch.testing.assert_close(packed, padded, atol=0.02 * float(padded.abs().max()), rtol=0)
+    assert (packed.argmax(1) == padded.argmax(1)).float().mean() >= 0.95
 
 
 class RecordingModel(torch.nn.Module):
@@ -172,7 +232,7 @@ def test_cpu_workers_share_the_threads_evenly_up_to_the_cap(threads, cap, split,
 def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch_threads):
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     model, enc = random_model(seed=2), random_encoded(120, seed=2)
-    batches = ev.batches_for(enc, 16, CPU)
+    batches = ev.batches_for(model, enc, 16, CPU)
     recorder = RecordingModel(model)
     fast = ev.batched_logits(recorder, enc, batches, CPU, 2)
     assert len(recorder.calls) == len(batches) > 2
@@ -188,9 +248,9 @@ def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch
 
 def test_cpu_logits_are_the_same_on_one_thread_and_on_two_workers(two_torch_threads):
     model, enc = random_model(seed=4), random_encoded(150, seed=4)
-    two = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2)  # 2 workers of one thread
+    two = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2)  # 2 workers of one thread
     torch.set_num_threads(1)
-    one = ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2)  # the same batches, in this thread
+    one = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2)  # the same batches, in this thread
     assert torch.equal(one, two)  # bit for bit: a validation figure does not depend on the thread count
 
 
@@ -200,7 +260,7 @@ def test_cpu_workers_of_two_threads_each(monkeypatch, two_torch_threads):
     torch.set_num_threads(4)  # 2 workers of 2 threads (oversubscribed on a 2-core machine: correctness only)
     model, enc = random_model(seed=3), random_encoded(120, seed=3)
     recorder = RecordingModel(model)
-    fast = ev.batched_logits(recorder, enc, ev.batches_for(enc, 16, CPU), CPU, 2)
+    fast = ev.batched_logits(recorder, enc, ev.batches_for(recorder, enc, 16, CPU), CPU, 2)
     assert {c[1:] for c in recorder.calls} == {(2, True)}  # two torch threads each, inference mode
     assert threading.get_ident() not in {c[0] for c in recorder.calls}
     assert torch.get_num_threads() == 4
@@ -211,10 +271,11 @@ def test_cpu_workers_restore_the_threads_when_a_batch_fails(monkeypatch, two_tor
     monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
     enc = random_encoded(120, seed=2)
     with pytest.raises(RuntimeError, match="boom"):
-        ev.batched_logits(RecordingModel(random_model(), fail_at=3), enc, ev.batches_for(enc, 16, CPU), CPU, 2)
+        failing = RecordingModel(random_model(), fail_at=3)
+        ev.batched_logits(failing, enc, ev.batches_for(failing, enc, 16, CPU), CPU, 2)
     assert torch.get_num_threads() == 2
     model = random_model()  # the workers serve on after a failure
-    torch.testing.assert_close(ev.batched_logits(model, enc, ev.batches_for(enc, 16, CPU), CPU, 2).double(),
+    torch.testing.assert_close(ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2).double(),
                                one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)
 
 
@@ -228,7 +289,7 @@ def test_cpu_workers_are_kept_between_calls(monkeypatch, two_torch_threads):
         return model(ids, mask)
 
     for _ in range(3):
-        ev.batched_logits(forward, enc, ev.batches_for(enc, 16, CPU), CPU, 2)
+        ev.batched_logits(forward, enc, ev.batches_for(forward, enc, 16, CPU), CPU, 2)
     assert len(threads) == 2  # the same two workers in every call
 
 

@@ -67,15 +67,59 @@ def test_attention_kernel_equals_the_reference(T, H, D, lengths):
     assert (out[~rows] == 0).all()  # rows after the last real token: zero, never read
 
 
+def packed_qkv(qkv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padded batch's rows end to end: (N, 3C) projections and (B + 1,) offsets."""
+    offsets = torch.zeros(len(mask) + 1, dtype=torch.int64)
+    offsets[1:] = mask.sum(1).cumsum(0)
+    return qkv[mask], offsets
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize(
+    ("T", "H", "D", "lengths"),
+    [
+        (256, 8, 16, [256, 190, 1, 77]),
+        (37, 2, 32, [2, 37, 17, 36]),  # the default's heads; texts out of length order
+        (64, 1, 64, [64, 33]),
+        (1, 4, 16, [1]),
+    ],
+)
+def test_packed_attention_kernel_equals_the_reference_on_each_text(T, H, D, lengths):
+    qkv, mask = qkv_and_mask(len(lengths), T, H, D, lengths)
+    rows, offsets = packed_qkv(qkv, mask)
+    with torch.inference_mode():
+        out = kernels.attention_bf16_packed(rows, offsets, T, H)
+        padded = kernels.attention_bf16(qkv, mask, H)
+    ref = reference(qkv, mask, H)[mask]  # (N, C): each text attending to itself only
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert torch.allclose(out.float(), ref, atol=0.03 * 1.5, rtol=0.02)
+    assert (out.float() - ref).abs().mean() < 3e-3
+    assert torch.equal(out, padded[mask])  # the same arithmetic as the padded layout's
+
+
+@needs_avx512_bf16
+def test_packed_attention_kernel_declines_what_it_does_not_cover():
+    qkv, mask = qkv_and_mask(2, 16, 4, 16, [16, 5])
+    rows, offsets = packed_qkv(qkv, mask)
+    with torch.inference_mode():
+        assert kernels.attention_bf16_packed(rows, offsets, 16, 4) is not None
+        assert kernels.attention_bf16_packed(rows.float(), offsets, 16, 4) is None
+        assert kernels.attention_bf16_packed(rows, offsets.int(), 16, 4) is None  # offsets must be int64
+        assert kernels.attention_bf16_packed(rows, offsets, 16, 8) is None  # head size 8
+    assert kernels.attention_bf16_packed(rows, offsets, 16, 4) is None  # autograd on
+
+
 @needs_avx512_bf16
 def test_attention_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
     qkv, mask = qkv_and_mask(5, 48, 4, 16, [48, 40, 9, 48, 1], seed=1)
     outs = []
+    rows, offsets = packed_qkv(qkv, mask)
     for threads in (1, 3, 64):
         monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
         with torch.inference_mode():
-            outs.append(kernels.attention_bf16(qkv, mask, 4))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+            outs.append((kernels.attention_bf16(qkv, mask, 4), kernels.attention_bf16_packed(rows, offsets, 48, 4)))
+    for padded, packed in outs[1:]:
+        assert torch.equal(padded, outs[0][0]) and torch.equal(packed, outs[0][1])
 
 
 @needs_avx512_bf16
@@ -137,6 +181,32 @@ def test_model_inference_with_the_kernel_matches_sdpa(kw):
     scale = with_sdpa.abs().max()
     assert (with_kernel - with_sdpa).abs().max() <= 0.05 * scale
     assert torch.equal(with_kernel.argmax(1), with_sdpa.argmax(1))
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("pos_emb", ["learned", "rope"])
+def test_packed_model_inference_with_the_kernel_matches_the_padded_batch(monkeypatch, pos_emb):
+    from transformer_cli.model import Packed
+
+    torch.manual_seed(0)
+    model = CTransformer(ModelConfig(d_model=64, n_heads=2, n_layers=2, pooling="max", pos_emb=pos_emb, dropout=0.0,
+                                     ngram_buckets=0), 100, 64).eval()
+    for name, p in model.named_parameters():
+        if ".attn." in name:
+            nn.init.normal_(p, std=0.3)
+    lengths = torch.tensor([64, 50, 20, 1, 33])
+    mask = torch.arange(64)[None, :] < lengths[:, None]
+    ids = torch.randint(5, 100, mask.shape, generator=torch.Generator().manual_seed(2)).masked_fill(~mask, 0)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    calls = []
+    monkeypatch.setattr(kernels, "attention_bf16_packed",
+                        lambda *a, f=kernels.attention_bf16_packed: calls.append(1) or f(*a))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model.packed_logits(ids[mask], Packed(offsets, 64)).float()
+        expected = model(ids, mask).float()
+    assert len(calls) == 2  # every layer took the packed kernel
+    assert torch.allclose(got, expected, atol=0.02 * expected.abs().max())
+    assert torch.equal(got.argmax(1), expected.argmax(1))
 
 
 @needs_avx512_bf16

@@ -13,6 +13,7 @@ from transformer_cli.model import (
     GEGLU,
     CTransformer,
     NgramBag,
+    Packed,
     SelfAttention,
     adversarial_step,
     compact,
@@ -481,6 +482,46 @@ def test_word_dropout_hides_tokens_from_the_transformer_only():
     table_grad, _ = ngram_grads(model, ids, mask, labels)
     expected = torch.autograd.grad(F.cross_entropy(model.ngrams(ids, mask), labels), model.ngrams.table.weight)[0]
     torch.testing.assert_close(table_grad, expected)  # every token's n-grams, none dropped
+
+
+def packed(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Packed]:
+    """The rows of a padded batch end to end: (N,) ids and their Packed."""
+    lengths = mask.sum(1)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    return ids[mask], Packed(offsets, int(lengths.max()))
+
+
+@pytest.mark.parametrize(("pooling", "norm", "pos_emb", "attention", "ff"), VARIANTS)
+def test_packed_texts_get_the_logits_of_the_padded_batch(pooling, norm, pos_emb, attention, ff):
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(pooling=pooling, norm=norm, pos_emb=pos_emb, attention=attention, ff=ff),
+                         VOCAB, MAX_LEN, num_labels=3).eval()
+    for p in model.parameters():  # at the init's scale the texts' logits barely differ: mixing them up would pass
+        nn.init.normal_(p, std=0.3)
+    ids, mask = random_batch([MAX_LEN, *LENGTHS])  # packed, 40 tokens: more than max_length
+    with torch.no_grad():
+        expected = model(ids, mask)
+        got = model.packed_logits(*packed(ids, mask))
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert (expected[1:] - expected[:-1]).abs().max() > 0.01  # the texts' logits differ: each is its own
+
+
+def test_packed_texts_with_the_ngram_path_get_the_logits_of_the_padded_batch():
+    torch.manual_seed(0)
+    model = CTransformer(model_cfg(ngram_buckets=97), VOCAB, MAX_LEN).eval()
+    nn.init.normal_(model.ngrams.table.weight)  # it starts at zero
+    ids, mask = random_batch(LENGTHS)
+    with torch.no_grad():
+        assert torch.allclose(model.packed_logits(*packed(ids, mask)), model(ids, mask), atol=1e-5)
+
+
+def test_packed_pad_gives_the_padded_layout():
+    ids, mask = random_batch(LENGTHS)
+    padded, real = packed(ids, mask)[1].pad(ids[mask], fill=PAD_ID)
+    assert torch.equal(padded, ids) and torch.equal(real, mask)
+    assert packed(ids, mask)[1].positions().tolist() == [[i for n in LENGTHS for i in range(n)]]
 
 
 def test_sequences_longer_than_max_length_raise():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from transformer_cli import kernels
 from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
 from transformer_cli.checkpoint import (
     CONFIG_FILE,
@@ -36,10 +38,17 @@ from transformer_cli.checkpoint import (
     refuse_pretrained_encoder,
 )
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
-from transformer_cli.data import Encoded, collate, encode_texts, local_paths, prepare_eval_data
+from transformer_cli.data import (
+    Encoded,
+    collate,
+    collate_packed,
+    encode_texts,
+    local_paths,
+    prepare_eval_data,
+)
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
-from transformer_cli.model import CTransformer
+from transformer_cli.model import CTransformer, Packed
 from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
@@ -58,8 +67,40 @@ def cpu_batch_tokens() -> int:
     return CPU_TOKENS_PER_THREAD * cpu_workers()[1]
 
 
-def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime) -> list[np.ndarray]:
+def packs(model, rt: Runtime) -> bool:
+    """Whether `batched_logits` runs `model` on packed texts (`CTransformer.packed_logits`, no padding): where
+    its attention is the hand-written kernel, which takes them as they are (bf16 inference on a CPU with
+    AVX-512 BF16, `attention = "auto"`). Elsewhere attention would pad each pass again, and the padded
+    batches of `batch_plan` are as cheap."""
+    return (isinstance(model, CTransformer) and model.cfg.attention == "auto" and rt.device.type == "cpu"
+            and rt.amp_dtype is torch.bfloat16 and kernels.available())
+
+
+def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime, model) -> list[np.ndarray]:
+    if packs(model, rt):
+        return pack_plan(lengths, batch_size, cpu_batch_tokens(), cpu_workers()[0], 6 * model.cfg.d_model)
     return batch_plan(lengths, batch_size, cpu_batch_tokens() if rt.device.type == "cpu" else None)
+
+
+def pack_plan(lengths: np.ndarray, batch_size: int, max_tokens: int, parts: int = 1,
+              attention_length: float = math.inf) -> list[np.ndarray]:
+    """Indices sorted by length (stable), cut into passes of packed texts, of about `max_tokens` tokens and at
+    most `batch_size` texts, and of even work: a text of L tokens costs L (1 + L / attention_length), its
+    attention growing with its length (about 6 d_model: where a token's attention has the FLOPs of the
+    rest of its layer). Where there are enough texts the number of passes is a multiple of `parts`, so that
+    as many workers get even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
+    order = np.argsort(lengths, kind="stable")
+    n = len(order)
+    if n == 0:
+        return []
+    s = lengths[order].astype(np.float64)
+    k = max(-(-int(s.sum()) // max(max_tokens, 1)), 1)
+    k = min(n, -(-k // parts) * parts)
+    work = np.cumsum(s * (1 + s / attention_length))  # up to and including each text
+    # a pass ends with the text that brings it to its share of the work
+    cuts = np.unique(np.searchsorted(work, work[-1] * np.arange(1, k) / k) + 1)
+    cuts = [0, *cuts[(cuts > 0) & (cuts < n)].tolist(), n]
+    return [order[i:j][r : r + batch_size] for i, j in itertools.pairwise(cuts) for r in range(0, j - i, batch_size)]
 
 
 def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
@@ -90,26 +131,39 @@ def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = No
     return [order[i:j] for i, j in itertools.pairwise(reversed(cuts))]
 
 
-def batches_for(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
-    """This rank's batches of `enc` as evaluation runs them: under DDP each rank takes every
-    world_size-th one."""
-    return _plan(enc.lengths, batch_size, rt)[rt.rank :: rt.world_size]
+def batches_for(model, enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
+    """This rank's batches of `enc` as `batched_logits` runs them on `model`: under DDP each rank takes
+    every world_size-th one."""
+    return _plan(enc.lengths, batch_size, rt, model)[rt.rank :: rt.world_size]
 
 
 def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits on the CPU, in the order of `enc`; rows of examples in no
     batch stay zero. The model must be in eval mode."""
 
+    packed = packs(model, rt)
+
     def forward(idx: np.ndarray) -> torch.Tensor:
         with torch.inference_mode():  # thread-local, as autocast is: entered in the worker
+            if packed:
+                ids, offsets = collate_packed(enc, idx)
+                packed_texts = Packed(*rt.tensors(offsets), int(np.diff(offsets).max()))
+                with rt.autocast():
+                    return model.packed_logits(*rt.tensors(ids), packed_texts).float()[: len(idx)].cpu()
             ids, mask, _ = rt.tensors(*collate(enc, idx))
             with rt.autocast():
                 return model(ids, mask).float().cpu()
 
+    def cost(idx: np.ndarray) -> float:  # a pass's work, as the plan weighs it
+        if packed:
+            lengths = enc.lengths[idx].astype(np.float64)
+            return float((lengths * (1 + lengths / (6 * model.cfg.d_model))).sum())
+        return len(idx) * int(enc.lengths[idx].max())
+
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
     if workers > 1 and len(batches) > 1:
-        # the longest batches first, so that the workers end together (longest processing time first)
-        batches = sorted(batches, key=lambda idx: -len(idx) * int(enc.lengths[idx].max()))
+        # the largest batches first, so that the workers end together (longest processing time first)
+        batches = sorted(batches, key=lambda idx: -cost(idx))
         with torch_threads(per_worker):
             futures = [worker_pool(workers, per_worker).submit(forward, idx) for idx in batches]
             try:
@@ -160,7 +214,7 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    batches = batches_for(enc, batch_size, rt)
+    batches = batches_for(model, enc, batch_size, rt)
     try:
         if logits is None:
             logits = batched_logits(model, enc, batches, rt, num_labels)
@@ -186,7 +240,7 @@ def all_logits(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: in
     was_training = model.training
     model.eval()
     try:
-        logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, num_labels)
+        logits = batched_logits(model, enc, batches_for(model, enc, batch_size, rt), rt, num_labels)
     finally:
         model.train(was_training)
     if rt.distributed:  # each row is non-zero on one rank only: the sum gathers them
@@ -246,7 +300,7 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     in eval mode."""
     ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt), rt, model.head.out_features)
+    logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt, model), rt, model.head.out_features)
     return softmax(logits, temperature)
 
 

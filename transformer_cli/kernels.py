@@ -71,8 +71,9 @@ def _build() -> ctypes.CDLL:
         finally:
             tmp.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(path))
-    lib.tfm_attention_bf16.restype = ctypes.c_int
-    lib.tfm_attention_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    for fn in (lib.tfm_attention_bf16, lib.tfm_attention_bf16_packed):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     return lib
 
 
@@ -104,25 +105,49 @@ def attention_bf16(qkv: torch.Tensor, mask: torch.Tensor, n_heads: int) -> torch
     projections and a (B, T) bool mask -> (B, T, C) bf16 with the heads merged; rows after a
     sequence's last real token are zero. None when the kernel cannot take these inputs (use SDPA)."""
     B, T, C3 = qkv.shape
-    C = C3 // 3
+    lib = _library_for(qkv, n_heads)
+    if lib is None or mask.dtype != torch.bool:
+        return None
+    mask = mask.contiguous().view(torch.uint8)  # (B, T)
+    return _call(lib.tfm_attention_bf16, qkv, mask, (B, T, C3 // 3), B, T, n_heads)
+
+
+def attention_bf16_packed(qkv: torch.Tensor, offsets: torch.Tensor, longest: int, n_heads: int
+                          ) -> torch.Tensor | None:
+    """attention_bf16 for texts laid end to end without padding: (N, 3C) bf16 fused projections, text b
+    being rows offsets[b]:offsets[b + 1] ((B + 1,) int64), the longest of `longest` rows -> (N, C) bf16,
+    each text attending to itself. None when the kernel cannot take these inputs."""
+    N, C3 = qkv.shape
+    lib = _library_for(qkv, n_heads)
+    if lib is None or offsets.dtype != torch.int64 or offsets.device.type != "cpu":
+        return None
+    return _call(lib.tfm_attention_bf16_packed, qkv, offsets.contiguous(), (N, C3 // 3), len(offsets) - 1, longest,
+                 n_heads)
+
+
+def _library_for(qkv: torch.Tensor, n_heads: int) -> ctypes.CDLL | None:
+    """The loaded library if the kernel can take these projections (bf16 on the CPU, inference, a head
+    size it has), else None."""
+    C = qkv.size(-1) // 3
     if (
         not enabled
         or qkv.device.type != "cpu"
         or qkv.dtype != torch.bfloat16
-        or mask.dtype != torch.bool
         or torch.is_grad_enabled()
+        or C % n_heads
         or C // n_heads not in HEAD_SIZES
         or torch.compiler.is_compiling()
     ):
         return None
-    lib = _load()
-    if lib is None:
-        return None
+    return _load()
+
+
+def _call(fn, qkv: torch.Tensor, where: torch.Tensor, out_shape: tuple[int, ...], B: int, T: int, n_heads: int
+          ) -> torch.Tensor | None:
     qkv = qkv.contiguous()
-    mask = mask.contiguous().view(torch.uint8)  # (B, T)
-    out = torch.empty(B, T, C, dtype=torch.bfloat16)
+    out = torch.empty(out_shape, dtype=torch.bfloat16)
+    C = out_shape[-1]
     with torch.profiler.record_function("tfm::attention_bf16"):  # named in torch.profiler's tables
-        status = lib.tfm_attention_bf16(
-            qkv.data_ptr(), mask.data_ptr(), out.data_ptr(), B, T, n_heads, C // n_heads, torch.get_num_threads()
-        )
+        status = fn(qkv.data_ptr(), where.data_ptr(), out.data_ptr(), B, T, n_heads, C // n_heads,
+                    torch.get_num_threads())
     return out if status == 0 else None

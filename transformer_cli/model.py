@@ -2,6 +2,7 @@
 
 Shapes: B batch, T tokens, C = d_model, H heads, Dh = C // H head size.
 `mask` is a (B, T) bool tensor, True at real tokens; every sequence has at least one (its [CLS]).
+For inference, a `Packed` may stand in its place: B texts laid end to end in one row of N tokens.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,36 @@ from transformer_cli.config import ModelConfig
 from transformer_cli.data import PAD_ID, round_width
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # rope's (cos, sin), each (B or 1, T, 1, Dh/2): see `rotary`
+
+
+class Packed(NamedTuple):
+    """B texts laid end to end in one row of N tokens, with no padding: text b is tokens
+    offsets[b]:offsets[b + 1]. It stands where a (B, T) padding mask would, for states of shape (1, N, C):
+    attention keeps each text to itself and pooling pools each text. A pass then costs the texts' tokens
+    and no more, however scattered their lengths (`CTransformer.packed_logits`)."""
+
+    offsets: torch.Tensor  # (B + 1,) int64
+    longest: int  # tokens in the longest text
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets.diff()  # (B,)
+
+    def text_of_token(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.lengths), device=self.offsets.device), self.lengths)  # (N,)
+
+    def positions(self) -> torch.Tensor:
+        """(1, N): each token's place in its text."""
+        n = int(self.offsets[-1])
+        starts = torch.repeat_interleave(self.offsets[:-1], self.lengths)  # (N,)
+        return (torch.arange(n, device=self.offsets.device) - starts)[None]
+
+    def pad(self, x: torch.Tensor, fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, ...) -> ((B, longest, ...) with `fill` at padding, its (B, longest) mask): the padded layout."""
+        columns = torch.arange(self.longest, device=x.device)
+        mask = columns < self.lengths[:, None]  # (B, T)
+        index = (self.offsets[:-1, None] + columns).clamp(max=max(x.size(0) - 1, 0))  # (B, T)
+        return x[index].masked_fill_(~mask.view(*mask.shape, *[1] * (x.dim() - 1)), fill), mask
 
 
 class SelfAttention(nn.Module):
@@ -32,15 +64,26 @@ class SelfAttention(nn.Module):
         self.fused = cfg.attention in ("auto", "sdpa")
         self.cpu_kernel = cfg.attention == "auto"  # kernels.attention_bf16 for bf16 inference on CPUs that have it
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rotary | None = None) -> torch.Tensor:
-        B, T, C = x.shape
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed, rope: Rotary | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # (B, T, 3C)
         if rope is not None:
             qkv = rotate_qk(qkv, self.n_heads, rope)  # (B, T, 3C)
-        if self.cpu_kernel and not self.training:
-            y = kernels.attention_bf16(qkv, mask, self.n_heads)  # (B, T, C), or None where it does not apply
-            if y is not None:
-                return self.proj(y)
+        kernel = self.cpu_kernel and not self.training
+        if isinstance(mask, Packed):  # (1, N, 3C): the texts end to end
+            y = kernels.attention_bf16_packed(qkv[0], mask.offsets, mask.longest, self.n_heads) if kernel else None
+            if y is None:  # the padded layout, for this layer's attention only
+                padded, real = mask.pad(qkv[0])  # (B, T, 3C), (B, T)
+                y = self.attend(padded, real)[real]  # (N, C)
+            y = y[None]  # (1, N, C)
+        else:
+            y = kernels.attention_bf16(qkv, mask, self.n_heads) if kernel else None  # None where it does not apply
+            if y is None:
+                y = self.attend(qkv, mask)
+        return dropout(self.proj(y), self.dropout, self.training)
+
+    def attend(self, qkv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, 3C) fused projections -> (B, T, C) attention output, heads merged."""
+        B, T, C3 = qkv.shape
         q, k, v = split_heads(qkv, self.n_heads)  # 3 x (B, H, T, Dh)
         key_mask = mask[:, None, None, :]  # (B, 1, 1, T): padding keys get no attention
         p = self.attn_dropout if self.training else 0.0
@@ -48,8 +91,7 @@ class SelfAttention(nn.Module):
             y = fused_attention(q, k, v, key_mask, p)
         else:
             y = explicit_attention(q, k, v, key_mask, p)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads merged
-        return dropout(self.proj(y), self.dropout, self.training)
+        return y.transpose(1, 2).reshape(B, T, C3 // 3)  # (B, T, C): heads merged
 
 
 def split_heads(qkv: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -160,7 +202,7 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rotary | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | Packed, rope: Rotary | None = None) -> torch.Tensor:
         if self.pre_norm:
             x = x + self.attn(self.norm1(x), mask, rope)
             return x + dropout(self.ff(self.norm2(x)), self.dropout, self.training)
@@ -228,7 +270,7 @@ class Encoder(nn.Module):
         """`positions` (B, T): each token's place in its text, when it is not its column (see `compact`)."""
         return self.contextualize(self.embed(ids, positions), mask, positions)
 
-    def contextualize(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
+    def contextualize(self, x: torch.Tensor, mask: torch.Tensor | Packed, positions: torch.Tensor | None = None
                       ) -> torch.Tensor:
         """(B, T, C) embeddings -> (B, T, C) states: the blocks, then the final norm."""
         rope = self.rotary(x, positions)
@@ -243,9 +285,10 @@ class Encoder(nn.Module):
         return rotary(torch.arange(x.size(1), device=x.device) if positions is None else positions, self.rope_dim)
 
     def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T) ids -> (B, T, C): token plus position embeddings (none with rope), with dropout."""
+        """(B, T) ids -> (B, T, C): token plus position embeddings (none with rope), with dropout.
+        `positions` (B, T): each token's place in its text, when it is not its column."""
         T = ids.size(1)
-        if T > self.max_length:
+        if positions is None and T > self.max_length:
             raise ValueError(f"sequence of {T} tokens is longer than max_length {self.max_length}")
         if self.rope_dim:
             return dropout(self.tok_emb(ids), self.dropout, self.training)  # (B, T, C)
@@ -264,14 +307,28 @@ def sinusoidal_table(length: int, dim: int) -> torch.Tensor:
     return table  # (T, C)
 
 
-def pool(h: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
-    """(B, T, C) states -> (B, C), ignoring padding positions."""
+def pool(h: torch.Tensor, mask: torch.Tensor | Packed, how: str) -> torch.Tensor:
+    """(B, T, C) states -> (B, C), ignoring padding positions; (1, N, C) packed states -> (B, C)."""
+    if isinstance(mask, Packed):
+        return pool_packed(h[0], mask, how)
     if how == "first":
         return h[:, 0]
     m = mask.unsqueeze(-1)  # (B, T, 1)
     if how == "max":
         return h.masked_fill(~m, float("-inf")).amax(dim=1)
     return (h * m).sum(dim=1) / m.sum(dim=1).clamp(min=1).to(h.dtype)
+
+
+def pool_packed(h: torch.Tensor, packed: Packed, how: str) -> torch.Tensor:
+    """(N, C) states of packed texts -> (B, C), as `pool` gives them padded."""
+    if how == "first":
+        return h[packed.offsets[:-1]]
+    text = packed.text_of_token()[:, None].expand_as(h)  # (N, C)
+    B = len(packed.lengths)
+    if how == "max":
+        return h.new_full((B, h.size(1)), float("-inf")).scatter_reduce_(0, text, h, "amax")
+    sums = h.new_zeros((B, h.size(1)), dtype=torch.float32).scatter_add_(0, text, h.float())  # (B, C)
+    return (sums / packed.lengths[:, None].clamp(min=1)).to(h.dtype)
 
 
 def drop_tokens(mask: torch.Tensor, p: float) -> torch.Tensor:
@@ -447,7 +504,16 @@ class CTransformer(nn.Module):
             objective = objective + kl_from(target, logits_at(x_vadv)).mean()
         return logits, objective
 
-    def deep_logits(self, x: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor | None = None
+    def packed_logits(self, ids: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """(B, num_labels) logits of B texts laid end to end ((N,) ids; see Packed): those `forward` gives
+        them padded, with no work spent on padding. For inference: `tfm serve`'s few texts of scattered
+        lengths cost one pass of their own tokens, where padded they cost several passes or padding."""
+        wide = None if self.ngrams is None else self.ngrams(*packed.pad(ids, PAD_ID))  # (B, num_labels)
+        positions = packed.positions()  # (1, N)
+        deep = self.deep_logits(self.encoder.embed(ids[None], positions), packed, positions)  # (B, num_labels)
+        return deep if wide is None else deep + wide
+
+    def deep_logits(self, x: torch.Tensor, mask: torch.Tensor | Packed, positions: torch.Tensor | None = None
                     ) -> torch.Tensor:
         """(B, T, C) embeddings -> (B, num_labels): the transformer's logits."""
         return self.head(pool(self.encoder.contextualize(x, mask, positions), mask, self.cfg.pooling))

@@ -171,7 +171,7 @@ def throughput(model_dir: Path, args, import_datasets_sec: float) -> dict:
     prep_sec = bc.now() - t0
 
     m, n, batch_size = cfg.model, len(enc), args.batch_size or cfg.train.eval_batch_size
-    batches = ev.batches_for(enc, batch_size, rt)
+    batches = ev.batches_for(model, enc, batch_size, rt)
     widths = [batch_width(enc, i) for i in batches]  # as collate pads them
     flops = sum(bc.forward_flops(m.d_model, m.n_layers, m.ff_mult, len(i), w) for i, w in zip(batches, widths))
     padded = sum(len(i) * w for i, w in zip(batches, widths))
@@ -330,7 +330,7 @@ def compare_compile(model, enc, rt, batch_size: int, num_labels: int, args) -> d
 
     from transformer_cli import evaluate as ev
 
-    batches = ev.batches_for(enc, batch_size, rt)
+    batches = ev.batches_for(model, enc, batch_size, rt)
     model.eval()
     inductor_config.freezing = True  # weights as constants: lets inductor fold them into oneDNN kernels
     compiled = torch.compile(model, dynamic=True)

@@ -101,7 +101,7 @@ def bench_model(name: str, model_dir: Path, args, tmp: Path, with_bf16: bool) ->
     d = cfg.data
     ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    batches = ev.batches_for(enc, cfg.train.eval_batch_size, rt)
+    batches = ev.batches_for(model, enc, cfg.train.eval_batch_size, rt)
     t0 = bc.now()
     exported = export_onnx(model_dir, tmp / "model.onnx")
     export_sec = bc.now() - t0

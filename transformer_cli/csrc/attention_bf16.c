@@ -1,9 +1,15 @@
 // Attention forward for inference on x86 CPUs with AVX-512 BF16: softmax(q k^T / sqrt(D)) v per head,
 // with q k^T and p v as bf16 dot products accumulated in fp32 (vdpbf16ps) and the softmax in fp32.
 //
-// qkv: (B, T, 3, H, D) bf16 (a fused projection's output), mask: (B, T) bytes, nonzero at keys to attend,
-// out: (B, T, H, D) bf16. Keys after a row's last real one and query rows from there on are skipped:
-// those rows of `out` are zero. D is 16, 32 or 64. The (b, h) pairs are split between `threads` threads.
+// Two layouts of the texts:
+// - padded (tfm_attention_bf16): qkv (B, T, 3, H, D) bf16 (a fused projection's output), mask (B, T)
+//   bytes, nonzero at keys to attend; out (B, T, H, D) bf16. Keys after a row's last real one and
+//   query rows from there on are skipped: those rows of `out` are zero.
+// - packed (tfm_attention_bf16_packed): the B texts end to end, text b being tokens
+//   [offsets[b], offsets[b + 1]) of qkv (N, 3, H, D) and out (N, H, D); every token is real, and a
+//   text attends to itself only. T is then the longest text.
+// D is 16, 32 or 64. Threads take the (b, h) pairs one at a time from a shared counter, so that
+// texts of unequal lengths still share the work evenly.
 // transformer_cli/kernels.py compiles and loads it; tests/test_kernels.py checks it against the
 // reference attention.
 #include <immintrin.h>
@@ -17,10 +23,11 @@
 
 typedef struct {
   const uint16_t *qkv;
-  const uint8_t *mask;
+  const uint8_t *mask;     // padded layout; NULL in the packed one
+  const int64_t *offsets;  // packed layout; NULL in the padded one
   uint16_t *out;
   int B, T, H, D;
-  int begin, end;  // (b, h) pairs [begin, end)
+  int *next;  // the next (b, h) pair to take, shared by the threads
   int status;
 } job_t;
 
@@ -44,14 +51,23 @@ static inline __m512 exp_ps(__m512 x) {
 static inline __attribute__((always_inline)) void head(const job_t *j, int b, int h, uint16_t *kp, uint16_t *vp,
                                                        float *s, uint16_t *pb, __mmask16 *km, const int D) {
   const int T = j->T, H = j->H, C = H * D, NP = D / 2, NV = D / 16;
-  const uint8_t *mrow = j->mask + (size_t)b * T;
-  int L = T;
-  while (L > 0 && !mrow[L - 1]) --L;  // keys [0, L) hold every real one
-  uint16_t *orow = j->out + (size_t)b * T * C + (size_t)h * D;
-  for (int i = L; i < T; ++i) memset(orow + (size_t)i * C, 0, D * sizeof(uint16_t));
+  const uint8_t *mrow = NULL;  // NULL: every key of the text is real
+  size_t first;                // the text's first token
+  int L;                       // keys [0, L) hold every real one
+  if (j->offsets) {
+    first = (size_t)j->offsets[b];
+    L = (int)(j->offsets[b + 1] - j->offsets[b]);
+  } else {
+    first = (size_t)b * T;
+    mrow = j->mask + first;
+    L = T;
+    while (L > 0 && !mrow[L - 1]) --L;
+  }
+  uint16_t *orow = j->out + first * C + (size_t)h * D;
+  for (int i = L; i < T && mrow; ++i) memset(orow + (size_t)i * C, 0, D * sizeof(uint16_t));
   if (L == 0) return;
   const int NC = (L + 15) / 16, L16 = NC * 16;  // key chunks of 16
-  const uint16_t *base = j->qkv + (size_t)b * T * 3 * C + (size_t)h * D;  // q of token t at base + t * 3C
+  const uint16_t *base = j->qkv + first * 3 * C + (size_t)h * D;  // q of token t at base + t * 3C
   const uint16_t *kbase = base + C, *vbase = base + 2 * C;
   // K as [chunk][pair of dims][16 keys] of 32-bit pairs; V as [pair of keys][D][2 keys]
   uint32_t *kp32 = (uint32_t *)kp;
@@ -61,7 +77,7 @@ static inline __attribute__((always_inline)) void head(const job_t *j, int b, in
       int t = c * 16 + jj;
       const uint32_t *krow = (const uint32_t *)(kbase + (size_t)t * 3 * C);
       if (t < L) {
-        if (mrow[t]) m |= (__mmask16)(1u << jj);
+        if (!mrow || mrow[t]) m |= (__mmask16)(1u << jj);
         for (int p = 0; p < NP; ++p) kp32[(c * NP + p) * 16 + jj] = krow[p];
       } else {
         for (int p = 0; p < NP; ++p) kp32[(c * NP + p) * 16 + jj] = 0;
@@ -157,8 +173,9 @@ static void *run(void *arg) {
   if (!kp || !vp || !s || !pb || !km) {
     j->status = 1;
   } else {
-    for (int bh = j->begin; bh < j->end; ++bh) {  // D as a constant: each head size its own unrolled code
-      const int b = bh / j->H, h = bh % j->H;
+    const int n = j->B * j->H;
+    for (int bh; (bh = __atomic_fetch_add(j->next, 1, __ATOMIC_RELAXED)) < n;) {  // D as a constant: each head
+      const int b = bh / j->H, h = bh % j->H;                                     // size its own unrolled code
       if (j->D == 16)
         head(j, b, h, kp, vp, s, pb, km, 16);
       else if (j->D == 32)
@@ -175,28 +192,35 @@ static void *run(void *arg) {
   return NULL;
 }
 
-// Returns 0; 1 when scratch memory could not be had (`out` is then incomplete); 2 for an unsupported D.
-int tfm_attention_bf16(const uint16_t *qkv, const uint8_t *mask, uint16_t *out, int B, int T, int H, int D,
-                       int threads) {
+static int launch(const uint16_t *qkv, const uint8_t *mask, const int64_t *offsets, uint16_t *out, int B, int T,
+                  int H, int D, int threads) {
   if (D != 16 && D != 32 && D != 64) return 2;
   const int n = B * H;
   if (threads > n) threads = n;
   if (threads > 64) threads = 64;
   if (threads < 1) threads = 1;
+  int next = 0;
   job_t jobs[64];
   pthread_t tid[64];
   int started[64] = {0};
-  for (int k = 0; k < threads; ++k)
-    jobs[k] = (job_t){qkv, mask, out, B, T, H, D, (int)((long)n * k / threads), (int)((long)n * (k + 1) / threads), 0};
+  for (int k = 0; k < threads; ++k) jobs[k] = (job_t){qkv, mask, offsets, out, B, T, H, D, &next, 0};
   for (int k = 1; k < threads; ++k) started[k] = pthread_create(&tid[k], NULL, run, &jobs[k]) == 0;
   run(&jobs[0]);
   int status = jobs[0].status;
   for (int k = 1; k < threads; ++k) {
-    if (started[k])
-      pthread_join(tid[k], NULL);
-    else
-      run(&jobs[k]);  // no thread for this share: run it here
+    if (started[k]) pthread_join(tid[k], NULL);  // a share with no thread of its own was taken by the others
     status |= jobs[k].status;
   }
   return status;
+}
+
+// Both return 0; 1 when scratch memory could not be had (`out` is then incomplete); 2 for an unsupported D.
+int tfm_attention_bf16(const uint16_t *qkv, const uint8_t *mask, uint16_t *out, int B, int T, int H, int D,
+                       int threads) {
+  return launch(qkv, mask, NULL, out, B, T, H, D, threads);
+}
+
+int tfm_attention_bf16_packed(const uint16_t *qkv, const int64_t *offsets, uint16_t *out, int B, int longest, int H,
+                              int D, int threads) {
+  return launch(qkv, NULL, offsets, out, B, longest, H, D, threads);
 }
