@@ -1,7 +1,9 @@
 """`tfm serve`: a trained model behind HTTP, loaded once, with concurrent requests batched together.
 
 FastAPI on uvicorn: both well kept, async (many open requests cost no threads), pydantic validates
-the request bodies, and uvicorn shuts down gracefully. Routes: POST /predict {"texts": [...]} ->
+the request bodies, and uvicorn shuts down gracefully. The serve extra installs httptools and uvloop,
+which uvicorn then takes for parsing HTTP and for the event loop: the loop's work per request is a
+share of the server's time at many clients (docs/serving.md). Routes: POST /predict {"texts": [...]} ->
 {"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
 
 Requests go into a queue; one batcher task takes the first waiting request, adds those already
