@@ -871,7 +871,7 @@ def collate_packed(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """(ids (N,) int64, offsets (B + 2,) int64): the reviews of `idx` end to end (model.Packed), then one
     text of [PAD]s that brings N to a multiple of PAD_MULTIPLE (none if it is one: offsets are then
     (B + 1,)). Its logits are to be dropped. A few widths instead of one per total keep oneDNN's caches
-    of matmul shapes warm: passes of all different widths ran 1.3x the time (docs/performance.md)."""
+    of matmul shapes warm: unrounded, packed passes lost to padded ones (docs/experiments.md)."""
     texts = enc.subset(idx)
     n = len(texts.ids)
     slack = -n % PAD_MULTIPLE

@@ -4,7 +4,8 @@ torch's CPU attention kernels are slow at small head sizes, whose matmuls have a
 of only 16 or 32. This kernel computes q k^T and p v with the vdpbf16ps instruction and the softmax
 in fp32, which is much faster there than torch's fp32 flash kernel. Under bf16 autocast q, k and v
 come out of the projection in bf16 and the output projection reads its input in bf16, so next to
-the fp32 path it rounds only the attention probabilities to bf16.
+the fp32 path it rounds only the attention probabilities to bf16. It takes the texts padded
+(`attention_bf16`) or end to end without padding (`attention_bf16_packed`, for `model.Packed`).
 
 The C source is compiled on first use with the system's C compiler (`$CC`, else cc, gcc or clang)
 into a shared library in the `kernels` folder of `$TFM_CACHE` (default
