@@ -236,9 +236,9 @@ class _EncodeLog:
         self.lengths.append(len(text))
         return self.tokenizer.encode(text, **kw)
 
-    def encode_batch(self, texts, **kw):
+    def encode_batch_fast(self, texts, **kw):
         self.lengths += [len(t) for t in texts]
-        return self.tokenizer.encode_batch(texts, **kw)
+        return self.tokenizer.encode_batch_fast(texts, **kw)
 
     def __setattr__(self, name, value):
         if name == "encode_special_tokens":
