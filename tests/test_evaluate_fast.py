@@ -157,8 +157,7 @@ def test_collate_packed_lays_the_reviews_end_to_end_up_to_a_round_width():
     assert len(ids) % PAD_MULTIPLE == 0 and len(ids) - n < PAD_MULTIPLE and offsets[-1] == len(ids)
     for k, i in enumerate(idx):
         assert ids[offsets[k] : offsets[k + 1]].tolist() == enc.ids[enc.offsets[i] : enc.offsets[i + 1]].tolist()
-    assert len(offsets) == (len(idx) + 1 if n % PAD_MULTIPLE == 0 else len(idx) + 2)
-    assert (ids[n:] == PAD_ID).all()  # the slack text: [PAD]s whose logits are dropped
+    assert (ids[n:] == PAD_ID).all() and np.diff(offsets)[len(idx):].tolist() == [1] * (len(ids) - n)  # one [PAD] a text
 
 
 @pytest.fixture
@@ -185,6 +184,16 @@ def test_batched_logits_equal_one_review_at_a_time(cfg, max_tokens, workers, pac
     model, enc = random_model(**cfg), random_encoded(60)
     fast = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2).double()
     torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)  # and in input order
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rope"])
+def test_packed_passes_fit_a_max_length_shorter_than_their_filler(pos_emb, monkeypatch):
+    monkeypatch.setattr(ev, "packs", lambda model, rt: True)
+    torch.manual_seed(0)
+    model = CTransformer(ModelConfig(d_model=32, n_heads=4, n_layers=1, pos_emb=pos_emb), VOCAB, 4).eval()
+    enc = random_encoded(5, max_len=4)  # 20 tokens or fewer: 12 or more filler texts
+    fast = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2).double()
+    torch.testing.assert_close(fast, one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the packed path needs the AVX-512 BF16 attention kernel")

@@ -870,16 +870,17 @@ def collate(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
 
 
 def collate_packed(enc: Encoded, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (N,) int64, offsets (B + 2,) int64): the reviews of `idx` end to end (model.Packed), then one
-    text of [PAD]s that brings N to a multiple of PAD_MULTIPLE (none if it is one: offsets are then
-    (B + 1,)). Its logits are to be dropped. A few widths instead of one per total keep oneDNN's caches
-    of matmul shapes warm: unrounded, packed passes lost to padded ones (docs/experiments.md)."""
+    """(ids (N,) int64, offsets (B + 1 + S,) int64): the reviews of `idx` end to end (model.Packed), then
+    S < PAD_MULTIPLE texts of one [PAD] each that bring N to a multiple of PAD_MULTIPLE; their logits are
+    to be dropped. A few widths instead of one per total keep oneDNN's caches of matmul shapes warm:
+    unrounded, packed passes lost to padded ones (docs/experiments.md). One token each, the filler
+    texts fit any max_length."""
     texts = enc.subset(idx)
     n = len(texts.ids)
     slack = -n % PAD_MULTIPLE
     ids = np.full(n + slack, PAD_ID, dtype=np.int64)
     ids[:n] = texts.ids
-    return ids, (np.append(texts.offsets, n + slack) if slack else texts.offsets)
+    return ids, np.concatenate([texts.offsets, np.arange(n + 1, n + slack + 1)])
 
 
 # --------------------------------------------------------------------------- the whole pipeline
