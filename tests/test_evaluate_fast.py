@@ -203,6 +203,8 @@ def test_bf16_inference_packs_the_reviews_where_the_kernel_runs_and_keeps_their_
     model = CTransformer(ModelConfig(d_model=64, n_heads=2, n_layers=2, pooling="max"), VOCAB, MAX_LEN).eval()
     enc = random_encoded(70, seed=3)
     assert ev.packs(model, rt) and not ev.packs(model, CPU)  # bf16 with the kernel; not fp32
+    heads_of_8 = CTransformer(ModelConfig(d_model=64, n_heads=8, n_layers=1), VOCAB, MAX_LEN)
+    assert not ev.packs(heads_of_8, rt)  # a head size the kernel does not have
     calls = []
     monkeypatch.setattr(model, "packed_logits", lambda *a, f=model.packed_logits: calls.append(1) or f(*a))
     packed = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, rt), rt, 2)

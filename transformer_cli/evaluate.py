@@ -70,9 +70,12 @@ def cpu_batch_tokens() -> int:
 def packs(model, rt: Runtime) -> bool:
     """Whether `batched_logits` runs `model` on packed texts (`CTransformer.packed_logits`, no padding): where
     its attention is the hand-written kernel, which takes them as they are (bf16 inference on a CPU with
-    AVX-512 BF16, `attention = "auto"`). Elsewhere attention would pad each pass again, and the padded
-    batches of `batch_plan` are as cheap."""
-    return (isinstance(model, CTransformer) and model.cfg.attention == "auto" and rt.device.type == "cpu"
+    AVX-512 BF16, `attention = "auto"`, a head size it has). Elsewhere attention would pad each pass again,
+    and the padded batches of `batch_plan` are as cheap."""
+    if not isinstance(model, CTransformer):
+        return False
+    cfg = model.cfg
+    return (cfg.attention == "auto" and cfg.d_model // cfg.n_heads in kernels.HEAD_SIZES and rt.device.type == "cpu"
             and rt.amp_dtype is torch.bfloat16 and kernels.available())
 
 
