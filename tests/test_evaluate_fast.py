@@ -132,13 +132,18 @@ def test_pack_plan_covers_every_example_once_in_even_passes(seed, batch_size, ma
     assert all(1 <= len(idx) <= batch_size for idx in plan)
     flat = np.concatenate(plan)
     assert (np.diff(lengths[flat]) >= 0).all()  # in length order
-    work = [float((lengths[idx] * (1 + lengths[idx] / 384)).sum()) for idx in plan]
-    heaviest = float((lengths * (1 + lengths / 384)).max())
+    work = [float(ev.text_work(lengths[idx], 384).sum()) for idx in plan]
+    heaviest = float(ev.text_work(lengths, 384).max())
     if all(len(idx) < batch_size for idx in plan):  # cut by work alone
         assert max(work) <= sum(work) / len(plan) + heaviest  # each within one text of an even share
         k = min(len(lengths), math.ceil(math.ceil(lengths.sum() / max_tokens) / parts) * parts)
         if heaviest <= sum(work) / k:  # no text is more than a share: k passes, a multiple of parts if it can be
             assert len(plan) == k
+
+
+def test_a_texts_work_grows_with_its_attention():
+    np.testing.assert_allclose(ev.text_work(np.array([1, 384, 768]), 384), [1 + 1 / 384, 768, 768 * 3])
+    assert ev.text_work(np.array([500])).tolist() == [500.0]  # without attention: its tokens
 
 
 def test_pack_plan_gives_each_of_two_workers_half_the_work_of_a_few_scattered_reviews():

@@ -5,7 +5,9 @@ Batching: examples are sorted by length, so that a batch holds reviews of simila
 little padding, and cut into batches of at most `batch_size` reviews. On the CPU a batch also
 holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread (reviews x longest review, before
 `collate` rounds the width up), so that its activations stay in the core's caches, and the cuts
-are placed where padding plus a forward pass's own cost is least (`batch_plan`). The CPU's
+are placed where padding plus a forward pass's own cost is least (`batch_plan`). Where the bf16
+attention kernel runs, a pass instead holds its texts end to end with no padding (`packs`,
+`pack_plan`: passes of even work), which a few texts of scattered lengths gain most from. The CPU's
 torch threads are split between up to `CPU_WORKERS` workers, each running whole batches on its
 share, rather than all threads sharing each small operation; the cap keeps the workers' Python
 work, serialised by the GIL, small beside their batches on many cores. Logits are gathered in
@@ -81,25 +83,35 @@ def packs(model, rt: Runtime) -> bool:
 
 def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime, model) -> list[np.ndarray]:
     if packs(model, rt):
-        return pack_plan(lengths, batch_size, cpu_batch_tokens(), cpu_workers()[0], 6 * model.cfg.d_model)
+        return pack_plan(lengths, batch_size, cpu_batch_tokens(), cpu_workers()[0], attention_length(model))
     return batch_plan(lengths, batch_size, cpu_batch_tokens() if rt.device.type == "cpu" else None)
+
+
+def attention_length(model: CTransformer) -> float:
+    """The text length at which a token's attention has the FLOPs of the rest of its layer (4 T C against
+    24 C^2 with a feed-forward layer 4 C wide): beyond it attention is most of a text's work."""
+    return 6 * model.cfg.d_model
+
+
+def text_work(lengths: np.ndarray, attention_length: float = math.inf) -> np.ndarray:
+    """A packed text's work in tokens' worth: L (1 + L / attention_length) for L tokens."""
+    lengths = lengths.astype(np.float64)
+    return lengths * (1 + lengths / attention_length)
 
 
 def pack_plan(lengths: np.ndarray, batch_size: int, max_tokens: int, parts: int = 1,
               attention_length: float = math.inf) -> list[np.ndarray]:
     """Indices sorted by length (stable), cut into passes of packed texts, of about `max_tokens` tokens and at
-    most `batch_size` texts, and of even work: a text of L tokens costs L (1 + L / attention_length), its
-    attention growing with its length (about 6 d_model: where a token's attention has the FLOPs of the
-    rest of its layer). Where there are enough texts the number of passes is a multiple of `parts`, so that
-    as many workers get even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
+    most `batch_size` texts, and of even work (`text_work`: attention grows with a text's length). Where
+    there are enough texts the number of passes is a multiple of `parts`, so that as many workers get
+    even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
     order = np.argsort(lengths, kind="stable")
     n = len(order)
     if n == 0:
         return []
-    s = lengths[order].astype(np.float64)
-    k = max(-(-int(s.sum()) // max(max_tokens, 1)), 1)
+    k = max(-(-int(lengths.sum()) // max(max_tokens, 1)), 1)
     k = min(n, -(-k // parts) * parts)
-    work = np.cumsum(s * (1 + s / attention_length))  # up to and including each text
+    work = np.cumsum(text_work(lengths[order], attention_length))  # up to and including each text
     # a pass ends with the text that brings it to its share of the work
     cuts = np.unique(np.searchsorted(work, work[-1] * np.arange(1, k) / k) + 1)
     cuts = [0, *cuts[(cuts > 0) & (cuts < n)].tolist(), n]
@@ -159,8 +171,7 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
 
     def cost(idx: np.ndarray) -> float:  # a pass's work, as the plan weighs it
         if packed:
-            lengths = enc.lengths[idx].astype(np.float64)
-            return float((lengths * (1 + lengths / (6 * model.cfg.d_model))).sum())
+            return float(text_work(enc.lengths[idx], attention_length(model)).sum())
         return len(idx) * int(enc.lengths[idx].max())
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
