@@ -507,7 +507,7 @@ class CTransformer(nn.Module):
     def packed_logits(self, ids: torch.Tensor, packed: Packed) -> torch.Tensor:
         """(B, num_labels) logits of B texts laid end to end ((N,) ids; see Packed): those `forward` gives
         them padded, with no work spent on padding. For inference: `tfm serve`'s few texts of scattered
-        lengths cost one pass of their own tokens, where padded they cost several passes or padding."""
+        lengths cost their own tokens, where padded batches cost more passes or padding."""
         wide = None if self.ngrams is None else self.ngrams(*packed.pad(ids, PAD_ID))  # (B, num_labels)
         positions = packed.positions()  # (1, N)
         deep = self.deep_logits(self.encoder.embed(ids[None], positions), packed, positions)  # (B, num_labels)
