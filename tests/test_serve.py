@@ -203,8 +203,10 @@ def test_sigterm_closes_a_stalled_upload_after_the_drain_timeout_and_exits_0(tra
 
 
 def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(trained_dir):
-    # The first request waits up to 2 s for others to join its model call: its client leaves meanwhile.
+    # The first request waits up to 2 s for others to join its model call (another connection is open,
+    # idle, so it does wait): its client leaves meanwhile.
     s = Server(trained_dir, "--max-wait-ms", "2000")
+    idle = socket.create_connection(s.url.removeprefix("http://").rsplit(":", 1))
     try:
         gone = raw_request(s.url, json.dumps({"texts": ["a film to forget"]}).encode())
         while httpx.get(f"{s.url}/health").json()["in_flight"] < 1:
@@ -217,6 +219,7 @@ def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(tr
         assert post(s.url, {"texts": ["a fine film"]}).status_code == 200
         assert httpx.get(f"{s.url}/health").json()["batches"] == 1  # the answered request's alone
     finally:
+        idle.close()
         assert s.stop() == 0
     log = "".join(s.lines.queue)
     assert "Traceback" not in log and "Exception" not in log, log[-2000:]
@@ -228,7 +231,8 @@ def test_a_cancelled_request_is_left_out_of_the_model_call():
     seen = []
 
     async def scenario():
-        batcher = Batcher(lambda texts: seen.append(list(texts)) or [{"label": t} for t in texts], Limits())
+        batcher = Batcher(lambda texts: seen.append(list(texts)) or [{"label": t} for t in texts], Limits(),
+                          lambda: 1)
         gone = asyncio.ensure_future(batcher(["gone"]))
         await asyncio.sleep(0)  # queued
         gone.cancel()
@@ -240,6 +244,48 @@ def test_a_cancelled_request_is_left_out_of_the_model_call():
             batcher.worker.shutdown(wait=True)
 
     assert asyncio.run(scenario()) == [{"label": "kept"}] and seen == [["kept"]]
+
+
+def batches_of(arrivals: list[tuple[float, str]], connections: int, max_wait_ms: float) -> list[list[str]]:
+    """The model calls a Batcher makes of requests of one text each that arrive at the given seconds,
+    with `connections` open connections."""
+    from transformer_cli.serve import Batcher, Limits
+
+    calls = []
+
+    async def scenario():
+        batcher = Batcher(lambda texts: calls.append(list(texts)) or [{"label": t} for t in texts],
+                          Limits(max_wait_ms=max_wait_ms), lambda: connections)
+        runner = asyncio.ensure_future(batcher.run())
+
+        async def request(at: float, text: str):
+            await asyncio.sleep(at)
+            return await batcher([text])
+
+        try:  # a guard, not a timing: without an early end the batches would wait max_wait_ms, far longer
+            await asyncio.wait_for(asyncio.gather(*(request(at, t) for at, t in arrivals)), timeout=60)
+        finally:
+            runner.cancel()
+            batcher.worker.shutdown(wait=True)
+
+    asyncio.run(scenario())
+    return calls
+
+
+def test_a_batch_waits_for_every_open_connection_and_no_longer():
+    # Two connections: the first request waits for the second's, however late it comes within the wait,
+    # and once both are in, the batch goes at once rather than waiting out its 120 s.
+    assert batches_of([(0.0, "a"), (0.3, "b")], connections=2, max_wait_ms=120_000) == [["a", "b"]]
+
+
+def test_a_lone_connections_requests_go_at_once():
+    assert batches_of([(0.0, "a"), (0.3, "b")], connections=1, max_wait_ms=120_000) == [["a"], ["b"]]
+
+
+def test_a_batch_ends_at_its_wait_when_connections_stay_idle():
+    # Three open connections, two requests: the first waits its 50 ms for the third, which never comes;
+    # the second request, a second later, starts a batch of its own.
+    assert batches_of([(0.0, "a"), (1.0, "b")], connections=3, max_wait_ms=50) == [["a"], ["b"]]
 
 
 def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):

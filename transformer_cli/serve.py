@@ -7,10 +7,10 @@ share of the server's time at many clients (docs/serving.md). Routes: POST /pred
 {"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
 
 Requests go into a queue; one batcher task takes the first waiting request, adds those already
-waiting and, when the last batch held several requests (or it is the first), those that arrive
-within `max_wait_ms`, up to `max_batch_size` texts, and runs the model on them in one worker
-thread, so the event loop keeps accepting and answering while it runs; then it hands each request
-its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
+waiting and those that arrive within `max_wait_ms`, up to `max_batch_size` texts, but stops waiting
+once every open connection has its request in the batch (no one else could join it). It runs the
+model on them in one worker thread, so the event loop keeps accepting and answering while it runs;
+then it hands each request its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
 bad requests (400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many
 texts) and 500 for a failure of the model; the server keeps serving after each. SIGTERM or Ctrl-C
 stops accepting connections, lets the requests in flight finish, and exits 0.
@@ -67,11 +67,13 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     metadata = model_metadata(model_dir, loaded, limits)
     sock = bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
-    app = make_app(loaded, metadata, limits, lambda: on_ready(url))
+    server = None  # made below, with the app; the batcher asks it how many connections are open
+    app = make_app(loaded, metadata, limits, lambda: on_ready(url), lambda: len(server.server_state.connections))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=limits.drain_timeout)
     logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)  # after Config, which sets up the loggers
-    asyncio.run(server_class()(config).serve(sockets=[sock]))
+    server = server_class()(config)
+    server.run(sockets=[sock])  # run, not asyncio.run(serve): it sets up uvloop where installed
 
 
 def _no_cancelled_traceback(record: logging.LogRecord) -> bool:
@@ -139,13 +141,13 @@ def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits) -> dic
 class Batcher:
     """Gathers concurrent requests' texts into model calls run in one worker thread."""
 
-    def __init__(self, predict: Callable[[list[str]], list[dict]], limits: Limits):
-        self.predict, self.limits = predict, limits
+    def __init__(self, predict: Callable[[list[str]], list[dict]], limits: Limits,
+                 open_connections: Callable[[], int]):
+        self.predict, self.limits, self.open_connections = predict, limits, open_connections
         self.queue: asyncio.Queue = asyncio.Queue()
         self.held = None  # a request that did not fit into the last batch: it starts the next one
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tfm-model")
         self.in_flight = self.requests = self.batches = 0  # GET /health shows them
-        self.last_size = 2  # requests in the last batch; before the first, as if it had several
 
     async def __call__(self, texts: list[str]) -> list[dict]:
         future = asyncio.get_running_loop().create_future()
@@ -163,14 +165,17 @@ class Batcher:
 
     async def _gather(self) -> list[tuple]:
         """The next batch: the first waiting request, and those waiting or coming within max_wait_ms that
-        fit. It waits only after a batch of several requests (and for the first): a lone client's
-        requests are answered at once."""
+        fit. It stops waiting once the batch holds a request of every open connection: an HTTP/1.1
+        connection has one request at a time, so no one else can join, and a lone client's requests,
+        or the next round of many clients', go to the model at once."""
         loop = asyncio.get_running_loop()
         first = self.held if self.held is not None else await self.queue.get()
         self.held = None
         batch, n = [first], len(first[0])
-        deadline = loop.time() + (self.limits.max_wait_ms / 1000 if self.last_size > 1 else 0.0)
+        deadline = loop.time() + self.limits.max_wait_ms / 1000
         while n < self.limits.max_batch_size:
+            if self.queue.empty() and len(batch) >= self.open_connections():
+                break
             item = await self._next(deadline - loop.time())
             if item is None:
                 break
@@ -179,7 +184,6 @@ class Batcher:
                 break
             batch.append(item)
             n += len(item[0])
-        self.last_size = len(batch)
         return batch
 
     async def _next(self, timeout: float):
@@ -226,8 +230,10 @@ class ApiError(Exception):
         self.status = status
 
 
-def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None):
-    """The FastAPI app around a model from load_for_inference."""
+def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None],
+             open_connections: Callable[[], int]):
+    """The FastAPI app around a model from load_for_inference; `open_connections()`: how many HTTP
+    connections the server holds open now."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, ValidationError
@@ -237,7 +243,7 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
         model_config = ConfigDict(extra="forbid", strict=True)
         texts: list[str]
 
-    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits)
+    batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits, open_connections)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
