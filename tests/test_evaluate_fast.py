@@ -220,6 +220,26 @@ def test_bf16_inference_packs_the_reviews_where_the_kernel_runs_and_keeps_their_
     assert (packed.argmax(1) == padded.argmax(1)).float().mean() >= 0.95
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_warm_up_runs_a_pass_of_each_packed_width_up_to_the_budget_plus_a_longest_review(trained_dir, packed,
+                                                                                         monkeypatch):
+    monkeypatch.setattr(ev, "packs", lambda model, rt: packed)  # fp32: attention pads each pass (no kernel)
+    monkeypatch.setattr(ev, "cpu_batch_tokens", lambda: 200)
+    loaded = ev.load_for_inference(trained_dir, "cpu", "fp32")
+    passes = []
+    monkeypatch.setattr(loaded.model, "packed_logits",
+                        lambda ids, texts, f=loaded.model.packed_logits: passes.append((len(ids), texts)) or f(ids, texts))
+    monkeypatch.setattr(loaded.model, "forward", lambda *a, f=loaded.model.forward: passes.append(None) or f(*a))
+    ev.warm_up(loaded)
+    max_length = loaded.cfg.data.max_length
+    if not packed:  # one prediction, and no sweep
+        assert passes == [None]
+        return
+    warm = passes[1:]  # after the prediction's pass
+    assert sorted(width for width, _ in warm) == list(range(32, 200 + max_length + 1, 32))
+    assert all(int(texts.lengths.min()) >= 1 and texts.longest <= max_length for _, texts in warm)
+
+
 class RecordingModel(torch.nn.Module):
     """The model, noting for each forward its thread, torch's thread count there and inference mode."""
 

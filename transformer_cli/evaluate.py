@@ -41,6 +41,8 @@ from transformer_cli.checkpoint import (
 )
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
 from transformer_cli.data import (
+    PAD_ID,
+    PAD_MULTIPLE,
     Encoded,
     collate,
     collate_packed,
@@ -412,6 +414,32 @@ def predict_loaded(loaded: Loaded, texts: list[str], batch_size: int = 64) -> li
         }
         for p in probs
     ]
+
+
+WARM_TEXT_TOKENS = 256  # the length of warm_up's texts: short ones keep its attention cheap
+
+
+def warm_up(loaded: Loaded, batch_size: int = 64) -> None:
+    """Pay a fresh process's first-call costs before the first request (`tfm serve`): one prediction
+    and, where passes are packed, one pass of each width that a pass of up to cpu_batch_tokens() plus
+    a longest review has (multiples of PAD_MULTIPLE). oneDNN builds its matmul kernels for each new
+    width the first time it meets it, which costs several passes' time; a server that met them among
+    its first requests answered those far slower (docs/serving.md)."""
+    rt, model, cfg = loaded.rt, loaded.model, loaded.cfg
+    predict_loaded(loaded, ["warm-up"], batch_size)
+    if not packs(model, rt):
+        return  # padded batches have too many shapes to sweep, and only bf16 matmuls build kernels per shape
+    longest = min(cfg.data.max_length, WARM_TEXT_TOKENS)
+    widths = range(PAD_MULTIPLE, cpu_batch_tokens() + cfg.data.max_length + 1, PAD_MULTIPLE)
+    lengths, plan = [], []
+    for width in widths:  # a pass of `width` tokens: texts of at most `longest` tokens, of near-equal lengths
+        k = -(-width // longest)
+        plan.append(np.arange(len(lengths), len(lengths) + k))
+        lengths += [width // k + (i < width % k) for i in range(k)]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    texts = Encoded(np.full(int(offsets[-1]), PAD_ID, dtype=np.int32), offsets, np.zeros(len(lengths), dtype=np.int64))
+    batched_logits(model, texts, plan, rt, len(loaded.labels))
 
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",

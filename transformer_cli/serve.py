@@ -29,7 +29,7 @@ from pathlib import Path
 
 from transformer_cli import __version__
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded
+from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded, warm_up
 from transformer_cli.fileio import read_json
 
 USAGE = 'send {"texts": ["a review", ...]}'
@@ -63,7 +63,7 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     import uvicorn
 
     loaded = load_for_inference(model_dir, device, precision)
-    predict_loaded(loaded, ["warm-up"], limits.batch_size)  # first-call costs (allocator, oneDNN) paid here
+    warm_up(loaded, limits.batch_size)  # first-call costs (allocator, oneDNN's kernels) paid before serving
     metadata = model_metadata(model_dir, loaded, limits)
     sock = bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
