@@ -288,6 +288,42 @@ def test_a_batch_ends_at_its_wait_when_connections_stay_idle():
     assert batches_of([(0.0, "a"), (1.0, "b")], connections=3, max_wait_ms=50) == [["a"], ["b"]]
 
 
+TRACED = """
+import sys
+from opentelemetry import trace
+from starlette.testclient import TestClient
+
+class Recording(trace.TracerProvider):  # a configured provider: FastAPI's own telemetry would trace with it
+    asked = 0
+    def get_tracer(self, *args, **kwargs):
+        Recording.asked += 1
+        return trace.NoOpTracer()
+
+trace.set_tracer_provider(Recording())
+if sys.argv[1] == "tfm":
+    from transformer_cli.serve import Limits, make_app
+    app = make_app(None, {}, Limits(), lambda: None, lambda: 1)
+else:
+    from fastapi import FastAPI
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+with TestClient(app) as client:
+    assert client.get("/health").status_code == 200
+print(Recording.asked)
+"""
+
+
+def test_the_server_does_no_opentelemetry_work_of_fastapis_own():
+    def tracers_asked(app: str) -> int:
+        done = subprocess.run([sys.executable, "-c", TRACED, app], cwd=REPO, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return int(done.stdout.split()[-1])
+
+    if tracers_asked("fastapi") == 0:
+        pytest.skip("this FastAPI has no telemetry of its own")
+    assert tracers_asked("tfm") == 0
+
+
 def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):
     cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(tmp_path / "missing"), "--port", "0"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
