@@ -117,6 +117,14 @@ def test_unknown_route_gets_a_json_404(server):
     assert r.status_code == 404 and "POST /predict" in r.json()["error"]
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/predict"), ("PUT", "/predict"), ("POST", "/health")])
+def test_a_wrong_method_gets_a_json_405(server, method, path):
+    r = httpx.request(method, f"{server.url}{path}")
+    assert r.status_code == 405 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"] == (f"Method Not Allowed: {method} {path}; this server has POST /predict, GET /health "
+                                 "and GET /metadata")
+
+
 async def concurrently(url: str, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=len(bodies))) as client:
         return await asyncio.gather(*(client.post(f"{url}/predict", json=b) for b in bodies))
