@@ -4,8 +4,8 @@ Starts `tfm serve -c MODEL` on a free loopback port, then, on --texts reviews dr
 split of --data:
   (a) `tfm evaluate`'s path in this process, before (b) and again after it: encode_texts +
       evaluate_model on the same reviews (reviews/s of the model alone, as `tfm evaluate` reports
-      it, and from text); (b)'s ratios are to the mean of the two, so that a change in what else
-      runs on the machine meanwhile weighs on both sides;
+      it, and from text), after the warm-up `tfm serve` also runs; (b)'s ratios are to the mean of
+      the two, so that a change in what else runs on the machine meanwhile weighs on both sides;
   (b) for each concurrency in --concurrency (default 1, 8, 32): --requests POST /predict requests of
       --texts-per-request reviews each, sent by that many clients on keep-alive connections;
       reviews/s and p50/p99 latency per request;
@@ -276,9 +276,12 @@ def main(argv=None) -> int:
                          f"{len(texts)} reviews; lower it")
     print(f"{len(texts)} reviews of {args.data} [{args.split}]; model {args.checkpoint}")
     results = {"hardware": info, "args": {k: str(v) for k, v in vars(args).items()}}
-    from transformer_cli.evaluate import load_for_inference
+    from transformer_cli.evaluate import load_for_inference, warm_up
 
     loaded = load_for_inference(args.checkpoint, args.device, None)  # as tfm evaluate --device loads it
+    # as tfm serve warms up: oneDNN's kernels for the passes' widths, built once a process, are not
+    # what a review costs (on a whole split tfm evaluate builds them in a small share of its time)
+    warm_up(loaded)
     results["evaluate"] = [evaluate_path(loaded, texts)]
     show_evaluate(results["evaluate"][0], "before the load")
     proc, host, port = start_server(args)
