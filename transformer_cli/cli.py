@@ -478,7 +478,8 @@ def serve(
     max_batch_size: Annotated[int, typer.Option(min=1, help="Texts in one model call, gathered over concurrent "
                                                 "requests.")] = 64,
     max_wait_ms: Annotated[float, typer.Option(min=0, help="How long a request waits for others to share its "
-                                               "model call (not once every open connection's request is in).")] = 2.0,
+                                               "model call; no longer once every open connection's request "
+                                               "is in.")] = 2.0,
     max_texts: Annotated[int, typer.Option(min=1, help="Texts in one request.")] = 64,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Size of one request's body.")] = 1_000_000,
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,

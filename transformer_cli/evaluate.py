@@ -423,12 +423,12 @@ def warm_up(loaded: Loaded, batch_size: int = 64) -> None:
     """Pay a fresh process's first-call costs before the first request (`tfm serve`): one prediction
     and, where passes are packed, one pass of each width that a pass of up to cpu_batch_tokens() plus
     a longest review has (multiples of PAD_MULTIPLE). oneDNN builds its matmul kernels for each new
-    width the first time it meets it, which costs several passes' time; a server that met them among
-    its first requests answered those far slower (docs/serving.md)."""
+    width the first time it meets it, which made that pass take about twice as long; a server that met
+    them among its first requests answered those far slower (docs/serving.md)."""
     rt, model, cfg = loaded.rt, loaded.model, loaded.cfg
     predict_loaded(loaded, ["warm-up"], batch_size)
     if not packs(model, rt):
-        return  # padded batches have too many shapes to sweep, and only bf16 matmuls build kernels per shape
+        return  # padded batches have too many shapes (rows x width) to sweep
     longest = min(cfg.data.max_length, WARM_TEXT_TOKENS)
     widths = range(PAD_MULTIPLE, cpu_batch_tokens() + cfg.data.max_length + 1, PAD_MULTIPLE)
     lengths, plan = [], []

@@ -311,8 +311,8 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
 
 def no_telemetry(fastapi_class) -> dict:
     """FastAPI's options that turn its own OpenTelemetry off, where it has it (newer versions): tfm serve
-    exports no traces or metrics, yet FastAPI checked for a configured provider on every request, a
-    tenth of the server's CPU time at 32 clients (docs/serving.md)."""
+    exports no traces or metrics, yet FastAPI looks for a configured provider on every request, which
+    the event loop's time per request at many clients can ill afford (docs/serving.md)."""
     if "telemetry" not in inspect.signature(fastapi_class).parameters:
         return {}
     return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
