@@ -17,6 +17,7 @@ from transformer_cli.data import (
     PAD_ID,
     PAD_MULTIPLE,
     SPECIAL_TOKENS,
+    AsciiWordPiece,
     BucketSampler,
     Encoded,
     characters,
@@ -224,6 +225,75 @@ def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
     first, second = ids[offsets[0]:offsets[1]].tolist(), ids[offsets[1]:offsets[2]].tolist()
     assert first[0] == CLS_ID and not {PAD_ID, CLS_ID} & set(first[1:])  # only the [CLS] we put first
     assert len(first) > len(second) + 3  # the brackets and letters became tokens of their own
+
+
+def ascii_text(rng, n_pieces: int) -> str:
+    """ASCII text among what the fast path's rules must get right: each kind of ASCII whitespace and the
+    control characters that are not whitespace, every punctuation character, <br> tags with whitespace
+    inside or in capitals, special tokens' text, digits, capitals, words the vocabulary lacks and words
+    over WordPiece's length limit."""
+    import string
+
+    pieces = ["film", "Great", "MOVIE", "actor's", "don't", "fun!", "2.5/10", "<br />", "<br/>", "<br>", "<BR>",
+              "<br\x0b/>", "<br\x1c/>", "<br\t\n >", "[CLS]", "[PAD]", "##", "qzxjv", "a\x00b", "\x7f",
+              "x" * 100, "y" * 101, "e.g.", "...", "--", "(yes)", "$5", "~", "@home", "`a`", "re-make"]
+    pieces += list(string.punctuation) + [c * 3 for c in string.punctuation]
+    seps = [" ", " ", " ", "", "\t", "\n", "\r", "\x0b", "\x0c", "\x1c", "\x1f", "  "]
+    return "".join(rng.choice(pieces) + rng.choice(seps) for _ in range(n_pieces))
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_ascii_wordpiece_gives_the_tokenizers_ids(train_texts, lowercase):
+    import random
+
+    tok = train_tokenizer(train_texts, DataConfig(vocab_size=500, lowercase=lowercase))
+    tok.encode_special_tokens = True  # as encode_texts asks: special tokens' text is text
+    fast = AsciiWordPiece.of(tok)
+    assert fast is not None and AsciiWordPiece.of(tok) is fast
+    rng = random.Random(0)
+    texts = [ascii_text(rng, rng.choice([1, 3, 30, 300])) for _ in range(300)] + train_texts[:100] + ["", " \t "]
+    unk, split = False, False
+    for text in texts:
+        expected = tok.encode(text, add_special_tokens=False).ids
+        assert fast.encode(text) == expected, repr(text)
+        assert fast.encode(text) == expected  # again, from the cache
+        unk |= SPECIAL_TOKENS.index("[UNK]") in expected
+        split |= any(tok.id_to_token(i).startswith("##") for i in expected)
+    assert unk and split  # words the vocabulary lacks, and words of several pieces, were among them
+
+
+def test_encode_texts_takes_non_ascii_texts_to_the_tokenizer(tokenizer):
+    texts = ["caf\u00e9 cr\u00e8me br\u00fbl\u00e9e", "plain film", "\uff26\uff49\uff4c\uff4d \u2019quoted\u2019 \u00bd",
+             "Stra\u00dfe \u0130stanbul"]
+    ids, offsets = encode_texts(tokenizer, texts, 64, "head", 0.5)
+    for i, text in enumerate(texts):
+        assert ids[offsets[i]:offsets[i + 1]].tolist() == [CLS_ID] + tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_ascii_wordpiece_is_only_for_train_tokenizers_wordpiece(train_texts, tokenizer, bpe_tokenizer):
+    from tokenizers import Regex, normalizers
+
+    assert AsciiWordPiece.of(bpe_tokenizer) is None
+    assert AsciiWordPiece.of(_EncodeLog(tokenizer)) is None
+    other = train_tokenizer(train_texts, DataConfig(vocab_size=500))
+    other.normalizer = normalizers.Sequence([normalizers.Replace(Regex(r"<p>"), " "), normalizers.NFKC()])
+    assert AsciiWordPiece.of(other) is None
+    other = train_tokenizer(train_texts, DataConfig(vocab_size=500))
+    other.add_tokens(["greatfilm"])  # an added token that is not special: split out before the model
+    assert AsciiWordPiece.of(other) is None
+
+
+def test_ascii_wordpiece_cache_stays_within_its_bound(tokenizer, monkeypatch):
+    import random
+
+    monkeypatch.setattr(AsciiWordPiece, "MAX_CACHED_WORDS", 50)
+    tokenizer.encode_special_tokens = True
+    fast = AsciiWordPiece.of(tokenizer)
+    rng = random.Random(2)
+    for _ in range(40):
+        text = " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 6))) for _ in range(20))
+        assert fast.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
+        assert len(fast.cache) <= 50
 
 
 class _EncodeLog:

@@ -703,18 +703,106 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
     tokenizer.encode_special_tokens = True  # "[PAD]" or "[CLS]" written in a review are words, not those ids
     limit = max_length - 1
     long = [len(t) > limit * LONG_TEXT_CHARS for t in texts]
-    # the fast batch: ids without the characters' offsets, which nothing here reads (docs/experiments.md)
-    encodings = tokenizer.encode_batch_fast(["" if skip else t for t, skip in zip(texts, long)],
-                                            add_special_tokens=False)
+    subwords = subword_ids(tokenizer, ["" if skip else t for t, skip in zip(texts, long)])
     rows = [
         [CLS_ID] + (_ends_ids(tokenizer, t, limit, truncation, head_fraction) if skip
-                    else truncate(e.ids, limit, truncation, head_fraction))
-        for t, skip, e in zip(texts, long, encodings)
+                    else truncate(s, limit, truncation, head_fraction))
+        for t, skip, s in zip(texts, long, subwords)
     ]
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     ids = np.fromiter((i for r in rows for i in r), dtype=np.int32, count=int(offsets[-1]))
     return ids, offsets
+
+
+_fast_paths: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its AsciiWordPiece or None): read once
+
+
+def subword_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's subword ids, no special tokens added: ASCII texts through AsciiWordPiece where the
+    tokenizer has its pipeline, the others through the tokenizer's fast batch (ids without the
+    characters' offsets, which nothing here reads; docs/experiments.md)."""
+    fast = AsciiWordPiece.of(tokenizer)
+    ids = [fast.encode(t) if fast is not None and t.isascii() else None for t in texts]
+    rest = [i for i, row in enumerate(ids) if row is None]
+    for i, e in zip(rest, tokenizer.encode_batch_fast([texts[i] for i in rest], add_special_tokens=False)):
+        ids[i] = e.ids
+    return ids
+
+
+class AsciiWordPiece:
+    """The ids that a WordPiece tokenizer of train_tokenizer's pipeline gives an ASCII text, computed in
+    Python with each word's pieces cached: a fifth of the tokenizers library's CPU time on IMDB reviews,
+    whose words repeat, and identical ids (docs/experiments.md). On ASCII text NFKC changes nothing,
+    lowercasing and the `<br>` pattern's `\\s` are plain ASCII rules, and BertPreTokenizer splits at
+    ASCII whitespace and isolates string.punctuation; other text needs the tokenizers library's Unicode
+    tables. Special tokens' text is encoded as text, as encode_texts asks of the tokenizer."""
+
+    MAX_CACHED_WORDS = 1 << 16  # the cache starts over when full: a bound on its memory
+    _BR = re.compile(r"<br[\t\n\x0b\x0c\r ]*/?>")
+    _WORD = re.compile(rf"[^\t\n\x0b\x0c\r {re.escape(string.punctuation)}]+|[{re.escape(string.punctuation)}]")
+
+    def __init__(self, vocab: dict[str, int], unk_id: int, prefix: str, max_chars: int, lowercase: bool):
+        self.vocab, self.unk, self.prefix, self.max_chars, self.lowercase = vocab, (unk_id,), prefix, max_chars, lowercase
+        self.cache: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def of(cls, tokenizer) -> AsciiWordPiece | None:
+        """The fast path for `tokenizer`, or None where its pipeline is another than train_tokenizer's WordPiece."""
+        made = _fast_paths.get(id(tokenizer))
+        if made is None or made[0] is not tokenizer:
+            if len(_fast_paths) >= 8:  # a long-lived process that loads many tokenizers keeps the latest
+                _fast_paths.clear()
+            made = _fast_paths[id(tokenizer)] = (tokenizer, cls._from_pipeline(tokenizer))
+        return made[1]
+
+    @classmethod
+    def _from_pipeline(cls, tokenizer) -> AsciiWordPiece | None:
+        from tokenizers import Tokenizer
+
+        if not isinstance(tokenizer, Tokenizer):
+            return None
+        spec = json.loads(tokenizer.to_str())
+        model, norm = spec["model"], spec["normalizer"] or {}
+        steps = [step.get("type") for step in norm.get("normalizers", [])]
+        expected = {"type": "Replace", "pattern": {"Regex": r"<br\s*/?>"}, "content": " "}
+        if (model["type"] != "WordPiece" or spec["pre_tokenizer"] != {"type": "BertPreTokenizer"}
+                or steps not in (["Replace", "NFKC"], ["Replace", "NFKC", "Lowercase"])
+                or norm["normalizers"][0] != expected or spec["truncation"] or spec["padding"]
+                or not all(t["special"] for t in spec["added_tokens"])):
+            return None
+        return cls(model["vocab"], model["vocab"][model["unk_token"]], model["continuing_subword_prefix"],
+                   model["max_input_chars_per_word"], steps[-1] == "Lowercase")
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of an ASCII `text`."""
+        text = self._BR.sub(" ", text)
+        ids, cache = [], self.cache
+        for word in self._WORD.findall(text.lower() if self.lowercase else text):
+            pieces = cache.get(word)
+            if pieces is None:
+                if len(cache) >= self.MAX_CACHED_WORDS:
+                    cache.clear()
+                pieces = cache[word] = self._pieces(word)
+            ids += pieces
+        return ids
+
+    def _pieces(self, word: str) -> tuple[int, ...]:
+        """WordPiece's greedy longest-match-first split of one word; [UNK] for the whole word where a
+        part matches nothing or the word is too long."""
+        if len(word) > self.max_chars:
+            return self.unk
+        out, start = [], 0
+        while start < len(word):
+            for end in range(len(word), start, -1):
+                piece = self.vocab.get(word[start:end] if start == 0 else self.prefix + word[start:end])
+                if piece is not None:
+                    break
+            else:
+                return self.unk
+            out.append(piece)
+            start = end
+        return tuple(out)
 
 
 def _ends_ids(tokenizer, text: str, limit: int, truncation: str, head_fraction: float) -> list[int]:
