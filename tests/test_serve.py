@@ -296,6 +296,19 @@ def test_a_batch_ends_at_its_wait_when_connections_stay_idle():
     assert batches_of([(0.0, "a"), (1.0, "b")], connections=3, max_wait_ms=50) == [["a"], ["b"]]
 
 
+def test_open_connections_are_uvicorns_count_or_none_that_a_batch_reaches():
+    import math
+    from types import SimpleNamespace
+
+    from transformer_cli.serve import open_connections
+
+    assert open_connections(SimpleNamespace(server_state=SimpleNamespace(connections={1, 2, 3}))) == 3
+    assert open_connections(SimpleNamespace(server_state=SimpleNamespace())) == math.inf  # a uvicorn without it
+    assert open_connections(SimpleNamespace()) == math.inf
+    # with such a count a batch waits its max_wait_ms, as for idle connections, and serving goes on
+    assert batches_of([(0.0, "a"), (1.0, "b")], connections=math.inf, max_wait_ms=50) == [["a"], ["b"]]
+
+
 TRACED = """
 import sys
 from opentelemetry import trace

@@ -69,12 +69,20 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     sock = bind(host, port)
     url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
     server = None  # made below, with the app; the batcher asks it how many connections are open
-    app = make_app(loaded, metadata, limits, lambda: on_ready(url), lambda: len(server.server_state.connections))
+    app = make_app(loaded, metadata, limits, lambda: on_ready(url), lambda: open_connections(server))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=limits.drain_timeout)
     logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)  # after Config, which sets up the loggers
     server = server_class()(config)
     server.run(sockets=[sock])  # run, not asyncio.run(serve): it sets up uvloop where installed
+
+
+def open_connections(server) -> float:
+    """How many HTTP connections uvicorn's `server` holds open now. uvicorn's protocols keep them in
+    `server_state.connections`, which it does not document: where a uvicorn has no such set, the
+    count is infinite, which no batch reaches, so each batch waits out --max-wait-ms instead."""
+    connections = getattr(getattr(server, "server_state", None), "connections", None)
+    return math.inf if connections is None else len(connections)
 
 
 def _no_cancelled_traceback(record: logging.LogRecord) -> bool:
@@ -143,7 +151,7 @@ class Batcher:
     """Gathers concurrent requests' texts into model calls run in one worker thread."""
 
     def __init__(self, predict: Callable[[list[str]], list[dict]], limits: Limits,
-                 open_connections: Callable[[], int]):
+                 open_connections: Callable[[], float]):
         self.predict, self.limits, self.open_connections = predict, limits, open_connections
         self.queue: asyncio.Queue = asyncio.Queue()
         self.held = None  # a request that did not fit into the last batch: it starts the next one
@@ -232,7 +240,7 @@ class ApiError(Exception):
 
 
 def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None],
-             open_connections: Callable[[], int]):
+             open_connections: Callable[[], float]):
     """The FastAPI app around a model from load_for_inference; `open_connections()`: how many HTTP
     connections the server holds open now."""
     from fastapi import FastAPI, Request
