@@ -282,6 +282,29 @@ def test_cpu_workers_run_whole_batches_on_one_thread_each(monkeypatch, two_torch
     assert set(one.calls) == {(threading.get_ident(), 2, True)}
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_lone_packed_pass_runs_on_one_worker_and_a_lone_padded_batch_on_every_thread(packed, monkeypatch,
+                                                                                      two_torch_threads):
+    monkeypatch.setattr(ev, "packs", lambda model, rt: packed)
+    model, enc = random_model(seed=6), random_encoded(1, seed=6)
+    seen = []
+
+    def note(f):
+        return lambda *a: seen.append((threading.get_ident(), torch.get_num_threads())) or f(*a)
+
+    monkeypatch.setattr(model, "packed_logits", note(model.packed_logits))
+    monkeypatch.setattr(model, "forward", note(model.forward))
+    logits = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2)
+    assert len(seen) == 1
+    thread, threads = seen[0]
+    if packed:  # on a worker, with its one thread
+        assert thread != threading.get_ident() and threads == 1
+    else:  # in this thread, each operation on both
+        assert (thread, threads) == (threading.get_ident(), 2)
+    torch.testing.assert_close(logits.double(), one_at_a_time_logits(model, enc), atol=1e-5, rtol=0)
+    assert torch.get_num_threads() == 2
+
+
 def test_cpu_logits_are_the_same_on_one_thread_and_on_two_workers(two_torch_threads):
     model, enc = random_model(seed=4), random_encoded(150, seed=4)
     two = ev.batched_logits(model, enc, ev.batches_for(model, enc, 16, CPU), CPU, 2)  # 2 workers of one thread

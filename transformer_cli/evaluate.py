@@ -177,7 +177,9 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
         return len(idx) * int(enc.lengths[idx].max())
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
-    if workers > 1 and len(batches) > 1:
+    # a lone packed pass (one review) too: it took twice as long with each operation shared between
+    # threads as on one worker's, the attention kernel's threads started for each layer (docs/experiments.md)
+    if workers > 1 and (len(batches) > 1 or packed):
         # the largest batches first, so that the workers end together (longest processing time first)
         batches = sorted(batches, key=lambda idx: -cost(idx))
         with torch_threads(per_worker):
