@@ -719,9 +719,10 @@ _fast_paths: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its AsciiWord
 
 
 def subword_ids(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Each text's subword ids, no special tokens added: ASCII texts through AsciiWordPiece where the
-    tokenizer has its pipeline, the others through the tokenizer's fast batch (ids without the
-    characters' offsets, which nothing here reads; docs/experiments.md)."""
+    """Each text's subword ids, no special tokens added, special tokens' text encoded as text (the
+    tokenizer's encode_special_tokens set, as encode_texts sets it): ASCII texts through AsciiWordPiece
+    where the tokenizer has its pipeline, the others through the tokenizer's fast batch (ids without
+    the characters' offsets, which nothing here reads; docs/experiments.md)."""
     fast = AsciiWordPiece.of(tokenizer)
     ids = [fast.encode(t) if fast is not None and t.isascii() else None for t in texts]
     rest = [i for i, row in enumerate(ids) if row is None]
@@ -732,8 +733,8 @@ def subword_ids(tokenizer, texts: list[str]) -> list[list[int]]:
 
 class AsciiWordPiece:
     """The ids that a WordPiece tokenizer of train_tokenizer's pipeline gives an ASCII text, computed in
-    Python with each word's pieces cached: a fifth of the tokenizers library's CPU time on IMDB reviews,
-    whose words repeat, and identical ids (docs/experiments.md). On ASCII text NFKC changes nothing,
+    Python with each word's pieces cached: reviews repeat their words, and the tokenizers library
+    spends most of a review's time on per-word work (docs/experiments.md). On ASCII text NFKC changes nothing,
     lowercasing and the `<br>` pattern's `\\s` are plain ASCII rules, and BertPreTokenizer splits at
     ASCII whitespace and isolates string.punctuation; other text needs the tokenizers library's Unicode
     tables. Special tokens' text is encoded as text, as encode_texts asks of the tokenizer."""
