@@ -345,6 +345,35 @@ def test_the_server_does_no_opentelemetry_work_of_fastapis_own():
     assert tracers_asked("tfm") == 0
 
 
+def test_what_startup_made_is_out_of_the_collectors_way_before_serving(trained_dir, monkeypatch):
+    import gc
+
+    import uvicorn
+
+    from transformer_cli import serve as serve_mod
+
+    frozen = []
+
+    class Started(Exception):
+        pass
+
+    class Server(uvicorn.Server):
+        def run(self, sockets=None):
+            frozen.append(gc.get_freeze_count())
+            for sock in sockets:
+                sock.close()
+            raise Started
+
+    monkeypatch.setattr(serve_mod, "server_class", lambda: Server)
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(Started):
+            serve_mod.serve(trained_dir, port=0, on_ready=lambda url: None)
+    finally:
+        gc.unfreeze()  # the rest of the tests collect as usual
+    assert frozen and frozen[0] > 10_000  # the modules, the model and the app: a full collection skips them
+
+
 def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):
     cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(tmp_path / "missing"), "--port", "0"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)

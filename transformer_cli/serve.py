@@ -19,6 +19,7 @@ stops accepting connections, lets the requests in flight finish, and exits 0.
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import inspect
 import json
 import logging
@@ -74,6 +75,8 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
                             timeout_graceful_shutdown=limits.drain_timeout)
     logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)  # after Config, which sets up the loggers
     server = server_class()(config)
+    gc.collect()  # startup's garbage goes now, and what it kept (torch, the model, the app) leaves the
+    gc.freeze()  # collector, whose full passes over it stalled every request in flight (docs/serving.md)
     server.run(sockets=[sock])  # run, not asyncio.run(serve): it sets up uvloop where installed
 
 
