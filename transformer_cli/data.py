@@ -31,6 +31,7 @@ SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 PAD_ID, CLS_ID = 0, 2  # their positions in SPECIAL_TOKENS
 DEFAULT_LABELS = ["neg", "pos"]  # the names of integer labels 0 and 1 when a dataset has no others (IMDB's)
 CONTINUATION = "##"  # WordPiece's mark of a subword that continues a word
+BR_TAG = r"<br\s*/?>"  # the tokenizer's normalizer turns these tags into spaces
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
 TOKENIZER_VERSION = 3  # in the tokenizer cache's key; 3: WordPiece trained the same in every process
 ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
@@ -633,7 +634,7 @@ def text_normalizer(cfg: DataConfig):
     lowercasing with data.lowercase."""
     from tokenizers import Regex, normalizers
 
-    norm = [normalizers.Replace(Regex(r"<br\s*/?>"), " "), normalizers.NFKC()]
+    norm = [normalizers.Replace(Regex(BR_TAG), " "), normalizers.NFKC()]
     if cfg.lowercase:
         norm.append(normalizers.Lowercase())
     return normalizers.Sequence(norm)
@@ -740,8 +741,10 @@ class AsciiWordPiece:
     tables. Special tokens' text is encoded as text, as encode_texts asks of the tokenizer."""
 
     MAX_CACHED_WORDS = 1 << 16  # the cache starts over when full: a bound on its memory
-    _BR = re.compile(r"<br[\t\n\x0b\x0c\r ]*/?>")
-    _WORD = re.compile(rf"[^\t\n\x0b\x0c\r {re.escape(string.punctuation)}]+|[{re.escape(string.punctuation)}]")
+    _SPACE = re.escape("".join(c for c in map(chr, range(128)) if is_whitespace(c)))  # also BR_TAG's `\s` on ASCII
+    _PUNCT = re.escape(string.punctuation)
+    _BR = re.compile(BR_TAG.replace(r"\s", f"[{_SPACE}]"))
+    _WORD = re.compile(f"[^{_SPACE}{_PUNCT}]+|[{_PUNCT}]")
 
     def __init__(self, vocab: dict[str, int], unk_id: int, prefix: str, max_chars: int, lowercase: bool):
         self.vocab, self.unk, self.prefix, self.max_chars, self.lowercase = vocab, (unk_id,), prefix, max_chars, lowercase
@@ -766,7 +769,7 @@ class AsciiWordPiece:
         spec = json.loads(tokenizer.to_str())
         model, norm = spec["model"], spec["normalizer"] or {}
         steps = [step.get("type") for step in norm.get("normalizers", [])]
-        expected = {"type": "Replace", "pattern": {"Regex": r"<br\s*/?>"}, "content": " "}
+        expected = {"type": "Replace", "pattern": {"Regex": BR_TAG}, "content": " "}
         if (model["type"] != "WordPiece" or spec["pre_tokenizer"] != {"type": "BertPreTokenizer"}
                 or steps not in (["Replace", "NFKC"], ["Replace", "NFKC", "Lowercase"])
                 or norm["normalizers"][0] != expected or spec["truncation"] or spec["padding"]
