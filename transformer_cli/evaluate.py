@@ -177,9 +177,7 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
         return len(idx) * int(enc.lengths[idx].max())
 
     workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
-    # a lone packed pass (one review) too: it took twice as long with each operation shared between
-    # threads as on one worker's, the attention kernel's threads started for each layer (docs/experiments.md)
-    if workers > 1 and (len(batches) > 1 or packed):
+    if workers > 1 and len(batches) > 1:
         # the largest batches first, so that the workers end together (longest processing time first)
         batches = sorted(batches, key=lambda idx: -cost(idx))
         with torch_threads(per_worker):
@@ -190,7 +188,11 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
                 for f in futures:
                     f.cancel()
     else:
-        results = map(forward, batches)
+        # a lone packed pass (one review) runs here on one worker's threads: with each operation shared
+        # between all threads it took twice as long, and handing it to a worker added a thread's
+        # hand-off to each call (docs/experiments.md). Two threads still run a lone padded batch faster.
+        with torch_threads(per_worker if packed and workers > 1 else torch.get_num_threads()):
+            results = [forward(idx) for idx in batches]
     out = torch.zeros(len(enc), num_labels)
     for idx, logits in zip(batches, results):
         out[torch.from_numpy(idx)] = logits
