@@ -12,6 +12,7 @@ import csv
 import functools
 import hashlib
 import io
+import itertools
 import json
 import re
 import string
@@ -712,7 +713,7 @@ def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, 
     ]
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
-    ids = np.fromiter((i for r in rows for i in r), dtype=np.int32, count=int(offsets[-1]))
+    ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
     return ids, offsets
 
 
