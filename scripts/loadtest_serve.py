@@ -5,7 +5,8 @@ split of --data:
   (a) `tfm evaluate`'s path in this process, before (b) and again after it: encode_texts +
       evaluate_model on the same reviews (reviews/s of the model alone, as `tfm evaluate` reports
       it, and from text), after the warm-up `tfm serve` also runs; (b)'s ratios are to the mean of
-      the two, so that a change in what else runs on the machine meanwhile weighs on both sides;
+      the two, so that a change in what else runs on the machine meanwhile weighs on both sides, and
+      a warning (JSON: "unsteady") says when the two differ by more than 20%;
   (b) for each concurrency in --concurrency (default 1, 8, 32): --requests POST /predict requests of
       --texts-per-request reviews each, sent by that many clients on keep-alive connections;
       reviews/s and p50/p99 latency per request;
@@ -259,6 +260,19 @@ def malformed_requests(count: int, rng: random.Random) -> list[tuple[bytes, int]
 # --------------------------------------------------------------------------- main
 
 
+STEADY = 1.2  # the most (a)'s faster run may exceed its slower one by before the ratios are suspect
+
+
+def unsteady(rates: list[float]) -> str | None:
+    """Why (b)'s ratios cannot be trusted, or None: (a)'s runs before and after (b) differ by more than
+    STEADY, so that the machine's speed changed during the run (another process, a neighbour)."""
+    if max(rates) <= STEADY * min(rates):
+        return None
+    return (f"(a) ran at {' and '.join(f'{r:.0f}' for r in rates)} model reviews/s before and after (b), "
+            f"{max(rates) / min(rates) - 1:.0%} apart: the machine's speed changed during the run, so the "
+            "ratios to (a) are unreliable; run it again on a quiet machine")
+
+
 def show_evaluate(ev: dict, when: str) -> None:
     print(f"(a) tfm evaluate's path, {when}: {ev['model_reviews_per_sec']:.0f} reviews/s (model), "
           f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']}); CPU "
@@ -295,6 +309,10 @@ def main(argv=None) -> int:
         results["evaluate"].append(evaluate_path(loaded, texts))
         show_evaluate(results["evaluate"][1], "after (b)")
         evaluate_rate = statistics.mean(e["model_reviews_per_sec"] for e in results["evaluate"])
+        warning = unsteady([e["model_reviews_per_sec"] for e in results["evaluate"]])
+        results["unsteady"] = warning is not None
+        if warning:
+            print(f"\nwarning: {warning}")
         for s in results["levels"]:
             s["ratio_to_evaluate"] = s["reviews_per_sec"] / evaluate_rate
         print(f"\n(b) {args.requests} requests of {args.texts_per_request} review(s) at each concurrency; "

@@ -37,6 +37,7 @@ def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, tmp_p
     assert mixed["malformed"] == 27 and mixed["malformed_without_4xx"] == 0 and mixed["good_failed"] == 0
     assert set(mixed["malformed_statuses"]) == {400, 413, 422}
     assert result["correct"] and result["server_exit_code"] == 0
+    assert isinstance(result["unsteady"], bool)
     assert "correctness: ok" in done.stdout
 
 
@@ -106,6 +107,14 @@ def test_a_dropped_connection_is_a_failed_request_and_the_load_goes_on():
 
     load = asyncio.run(main())
     assert [r[1:] for r in load["results"]] == [(200, True), (0, False)] * 3
+
+
+def test_a_machine_whose_speed_changed_during_the_run_is_flagged():
+    script = _script()
+    assert script.unsteady([1734.0, 1794.0]) is None and script.unsteady([1000.0, 1200.0]) is None
+    warning = script.unsteady([1096.0, 1820.0])
+    assert warning.startswith("(a) ran at 1096 and 1820 model reviews/s before and after (b), 66% apart")
+    assert script.unsteady([1820.0, 1096.0]) is not None  # slower after as well as before
 
 
 @pytest.mark.parametrize("args", [["--texts", "1", "--texts-per-request", "2"], ["--malformed", "-1"]])
