@@ -188,9 +188,10 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
                 for f in futures:
                     f.cancel()
     else:
-        # a lone packed pass (one review) runs here on one worker's threads: with each operation shared
-        # between all threads it took twice as long, and handing it to a worker added a thread's
-        # hand-off to each call (docs/experiments.md). Two threads still run a lone padded batch faster.
+        # a lone packed pass (a call of one review, or a few short ones) runs here on one worker's threads:
+        # with each operation shared between all threads it took twice as long, and handing it to a worker
+        # added a hand-off between threads to each call (docs/experiments.md). A lone padded batch still
+        # runs faster on all threads.
         with torch_threads(per_worker if packed and workers > 1 else torch.get_num_threads()):
             results = [forward(idx) for idx in batches]
     out = torch.zeros(len(enc), num_labels)
