@@ -260,7 +260,7 @@ def malformed_requests(count: int, rng: random.Random) -> list[tuple[bytes, int]
 # --------------------------------------------------------------------------- main
 
 
-STEADY = 1.2  # the most (a)'s faster run may exceed its slower one by before the ratios are suspect
+STEADY = 1.2  # (a)'s faster run at most this many times its slower one, or the ratios are suspect
 
 
 def unsteady(rates: list[float]) -> str | None:
