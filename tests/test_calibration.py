@@ -31,6 +31,18 @@ def sampled(n: int, k: int, true_t: float, seed: int = 0) -> tuple[torch.Tensor,
     return (z * true_t).float(), labels
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.25, 3.0])
+def test_softmax_matches_torch(temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(50, 3, generator=g) * 5, torch.tensor([[800.0, -800.0, 0.0], [-1e4, -1e4, -1e4]])])
+    want = (logits.double() / temperature).softmax(-1).numpy()  # the reference; 800 and -1e4 overflow exp unshifted
+    for given in (logits, logits.numpy()):
+        got = softmax(given, temperature)
+        assert got.dtype == np.float64 and got.shape == (52, 3)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(softmax(logits, temperature).sum(-1), 1.0, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(("k", "true_t"), [(2, 2.5), (3, 0.5), (5, 1.7)])
 def test_fit_temperature_recovers_a_known_temperature(k, true_t):
     logits, labels = sampled(20000, k, true_t)

@@ -88,9 +88,13 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int 
     return float((r["count"] * np.abs(r["accuracy"] - r["confidence"])).sum() / n) if n else 0.0
 
 
-def softmax(logits: torch.Tensor, temperature: float = 1.0) -> np.ndarray:
-    """(N, K) float64 probabilities of logits / temperature."""
-    return torch.as_tensor(logits, dtype=torch.float64).div(temperature).softmax(-1).numpy()
+def softmax(logits: torch.Tensor | np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """(N, K) float64 probabilities of logits / temperature. In numpy: torch's softmax shares even a few
+    rows between its threads, whose OpenMP workers then spin for milliseconds, a core's worth of CPU
+    lost after every small call (docs/experiments.md#evaluation-speed)."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    e = np.exp(z - z.max(-1, keepdims=True))  # shifted by each row's largest: no overflow
+    return e / e.sum(-1, keepdims=True)
 
 
 def calibrate(logits: torch.Tensor, labels: np.ndarray) -> dict:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from transformer_cli import __version__
+from transformer_cli.calibration import softmax
 from transformer_cli.checkpoint import read_tokenizer
 from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
 from transformer_cli.errors import TfmError, UsageError
@@ -193,5 +194,5 @@ class OnnxClassifier:
         out = np.zeros((len(texts), len(self.labels)), dtype=np.float64)
         for idx in batch_plan(enc.lengths, batch_size):
             ids, mask, _ = collate(enc, idx)
-            out[idx] = torch.from_numpy(self.logits(ids, mask)).softmax(-1).numpy()  # as predict_proba
+            out[idx] = softmax(self.logits(ids, mask))  # as predict_proba (the graph divides by the temperature)
         return out
