@@ -22,7 +22,8 @@ The clients speak HTTP/1.1 over asyncio streams (a few lines here) rather than t
 library: they share this machine's CPUs with the server, and a lighter client leaves it more.
 Each load also reports the CPU time per review of the server process (/proc) and of the clients
 (this process), and (a) the CPU time of evaluate's path: figures that depend far less than the
-rates on what else runs on the machine.
+rates on what else runs on the machine. From them, (b)'s ratio splits into the ratio that CPU time a
+review would allow with every CPU busy all the time, and the share of the CPUs' time the load used.
 Exit code 1 if any bad request got no 4xx or any good one failed.
 
     python scripts/loadtest_serve.py -c runs/tfm --data ../shared/data/imdb --json loadtest.json
@@ -273,6 +274,16 @@ def unsteady(rates: list[float]) -> str | None:
             "ratios to (a) are unreliable; run it again on a quiet machine")
 
 
+def cpu_split(level: dict, evaluate_rate: float, cpus: int) -> dict:
+    """A load's ratio to (a) as the product of two factors: `cpu_bound_ratio`, the ratio that its CPU
+    time a review (server and clients) would give with all `cpus` CPUs busy all the time, and
+    `cpus_busy`, the share of the CPUs' time that the load used. A ratio short of its target then says
+    whether a review costs too much CPU, or the CPUs sat idle, or both."""
+    cost_ms = level["server_cpu_ms_per_review"] + level["client_cpu_ms_per_review"]
+    return {"cpu_bound_ratio": cpus * 1000 / cost_ms / evaluate_rate,
+            "cpus_busy": level["reviews_per_sec"] * cost_ms / 1000 / cpus}
+
+
 def show_evaluate(ev: dict, when: str) -> None:
     print(f"(a) tfm evaluate's path, {when}: {ev['model_reviews_per_sec']:.0f} reviews/s (model), "
           f"{ev['from_text_reviews_per_sec']:.0f} reviews/s from text ({ev['compute_dtype']}); CPU "
@@ -313,16 +324,21 @@ def main(argv=None) -> int:
         results["unsteady"] = warning is not None
         if warning:
             print(f"\nwarning: {warning}")
+        results["cpus"] = cpus = len(os.sched_getaffinity(0))  # the server's, which it inherits
         for s in results["levels"]:
             s["ratio_to_evaluate"] = s["reviews_per_sec"] / evaluate_rate
+            s.update(cpu_split(s, evaluate_rate, cpus))
         print(f"\n(b) {args.requests} requests of {args.texts_per_request} review(s) at each concurrency; "
-              f"ratio to (a)'s mean model reviews/s, {evaluate_rate:.0f}")
+              f"ratio to (a)'s mean model reviews/s, {evaluate_rate:.0f}; the ratio is the one the CPU time a "
+              f"review allows with the {cpus} CPUs busy all the time, times the share of their time used")
         bc.print_table(results["levels"], [("concurrency", "clients"), ("reviews_per_sec", "reviews/s"),
                                            ("ratio_to_evaluate", "/ evaluate"), ("p50_ms", "p50 ms"),
                                            ("p99_ms", "p99 ms"), ("server_cpu_ms_per_review", "server CPU ms/review"),
                                            ("client_cpu_ms_per_review", "clients CPU ms/review"),
+                                           ("cpu_bound_ratio", "ratio at CPUs all busy"), ("cpus_busy", "CPUs busy"),
                                            ("good_failed", "failed")],
-                       digits={"ratio_to_evaluate": 2, "server_cpu_ms_per_review": 2, "client_cpu_ms_per_review": 2})
+                       digits={"ratio_to_evaluate": 2, "server_cpu_ms_per_review": 2, "client_cpu_ms_per_review": 2,
+                               "cpu_bound_ratio": 2, "cpus_busy": 2})
         words200 = [t for t in texts if 190 <= len(t.split()) <= 210]
         lat = None
         if not words200:

@@ -38,6 +38,10 @@ def test_loadtest_checks_every_request_and_reports_each_level(trained_dir, tmp_p
     assert set(mixed["malformed_statuses"]) == {400, 413, 422}
     assert result["correct"] and result["server_exit_code"] == 0
     assert isinstance(result["unsteady"], bool)
+    assert result["cpus"] == len(os.sched_getaffinity(0))
+    for lv in result["levels"]:  # the ratio is the product of its two factors
+        assert lv["cpu_bound_ratio"] * lv["cpus_busy"] == pytest.approx(lv["ratio_to_evaluate"])
+        assert 0 < lv["cpus_busy"] and 0 < lv["cpu_bound_ratio"]
     assert "correctness: ok" in done.stdout
 
 
@@ -115,6 +119,15 @@ def test_a_machine_whose_speed_changed_during_the_run_is_flagged():
     warning = script.unsteady([1096.0, 1820.0])
     assert warning.startswith("(a) ran at 1096 and 1820 model reviews/s before and after (b), 66% apart")
     assert script.unsteady([1820.0, 1096.0]) is not None  # slower after as well as before
+
+
+def test_the_ratio_splits_into_what_the_cpu_time_allows_and_how_busy_the_cpus_were():
+    script = _script()
+    # 1,000 reviews/s at 1.5 + 0.1 CPU-ms a review on 2 CPUs: 1.6 of their 2 seconds a second used,
+    # and at 2 / 1.6 ms = 1,250 reviews/s with both always busy, 0.625x of (a)'s 2,000
+    level = {"reviews_per_sec": 1000.0, "server_cpu_ms_per_review": 1.5, "client_cpu_ms_per_review": 0.1}
+    got = script.cpu_split(level, 2000.0, 2)
+    assert got == pytest.approx({"cpu_bound_ratio": 0.625, "cpus_busy": 0.8})
 
 
 @pytest.mark.parametrize("args", [["--texts", "1", "--texts-per-request", "2"], ["--malformed", "-1"]])
