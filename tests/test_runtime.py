@@ -1,6 +1,9 @@
 """The runtime context: device and precision choices, refusals, and mixed precision against fp32."""
 
 import json
+import platform
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -170,3 +173,38 @@ def test_openmp_threads_yield_soon_unless_the_user_says_otherwise(env, expected)
     done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == str(expected)
+
+
+REUSE_PROBE = """
+import ctypes, resource, sys
+from transformer_cli.runtime import keep_freed_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+
+def second_round_faults(size, count):  # blocks written and freed twice: the page faults of the second time
+    for _ in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [libc.malloc(size) for _ in range(count)]
+        for b in blocks:
+            ctypes.memset(b, 1, size)
+        for b in reversed(blocks):
+            libc.free(b)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+print(applied, second_round_faults(100_000, 640), second_round_faults(8 << 20, 8))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_freed_memory_is_kept_for_the_next_pass():
+    """64 MB of small blocks freed at the heap's top, and blocks of 8 MB: glibc's defaults hand both back
+    to the kernel, so writing them again faults every page in; kept, the second round finds them mapped."""
+    def run(mode):
+        out = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode], capture_output=True, text=True, check=True)
+        applied, small, large = out.stdout.split()
+        return applied, int(small), int(large)
+
+    default, kept = run("default"), run("keep")
+    assert default[1] > 10_000 and default[2] > 10_000  # 16,000 pages each
+    assert kept[0] == "True" and kept[1] < 100 and kept[2] < 100

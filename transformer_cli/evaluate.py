@@ -53,7 +53,7 @@ from transformer_cli.data import (
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
 from transformer_cli.model import CTransformer, Packed
-from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
+from transformer_cli.runtime import Runtime, keep_freed_memory, make_runtime, resolve_precision
 
 CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
 BATCH_CALL_TOKENS = 256  # a forward pass's own cost (Python, dispatch) in padded tokens' worth of work
@@ -387,9 +387,12 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
 
 def load_for_inference(model_dir: str | Path, device: str, precision: str | None) -> Loaded:
     """A `tfm train` output directory with the runtime to run it on. `precision` None: fp32 for a run
-    trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
+    trained in fp32, else "auto" (this machine's mixed precision, if it has one). On the CPU, the process's
+    malloc keeps freed memory from then on (runtime.keep_freed_memory)."""
     check_device_and_precision(device, precision)
     rt = make_runtime(device, "fp32")
+    if rt.device.type == "cpu":
+        keep_freed_memory()
     loaded = Loaded(rt, *load_model_dir(model_dir, rt.device))
     if precision is None:
         precision = "fp32" if loaded.cfg.train.precision == "fp32" else "auto"
