@@ -90,8 +90,8 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int 
 
 def softmax(logits: torch.Tensor | np.ndarray, temperature: float = 1.0) -> np.ndarray:
     """(N, K) float64 probabilities of logits / temperature. In numpy: torch's softmax shares even a few
-    rows between its threads, whose OpenMP workers then spin for milliseconds, a core's worth of CPU
-    lost after every small call (docs/experiments.md#evaluation-speed)."""
+    rows between its threads, whose OpenMP worker then spins for about 5 ms, CPU time lost after
+    every small call (docs/experiments.md#evaluation-speed)."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     e = np.exp(z - z.max(-1, keepdims=True))  # shifted by each row's largest: no overflow
     return e / e.sum(-1, keepdims=True)

@@ -107,13 +107,13 @@ HEAP_KEEP = 256 << 20  # free memory at the heap's top up to this size stays map
 
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep the memory a forward pass frees, for the next pass to reuse. By default it
-    maps large blocks afresh and hands the heap's free top back to the kernel, so every pass of CPU
-    inference paid page faults on its activations: 10-20% of its CPU time in system time
+    maps large blocks afresh and hands the heap's free top back to the kernel, so that a pass of CPU
+    inference faulted its activations in again: in `tfm serve`, about a tenth of its workers' CPU time
     (docs/experiments.md#evaluation-speed). Process-wide, and for the process's life; True where it
     applied (glibc), False elsewhere."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):  # not glibc (macOS, Windows)
+    except (AttributeError, OSError, TypeError):  # not glibc (macOS; Windows has no CDLL(None))
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS) and mallopt(M_TRIM_THRESHOLD, HEAP_KEEP))
