@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--malformed", type=int, default=1000, help="(d): bad requests mixed into the load")
     p.add_argument("--max-batch-size", type=int, default=None, help="tfm serve --max-batch-size (default: its own)")
     p.add_argument("--max-wait-ms", type=float, default=None, help="tfm serve --max-wait-ms (default: its own)")
+    p.add_argument("--workers", type=int, default=None, help="tfm serve --workers (default: its own)")
     p.add_argument("--device", default="cpu", help="where both the server and (a)'s evaluate path run (default: cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
@@ -129,7 +130,7 @@ def evaluate_path(loaded: tuple, texts: list[str]) -> dict:
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
     cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(args.checkpoint.resolve()), "--port", "0",
            "--max-body-bytes", str(MAX_BODY), "--max-texts", str(MAX_TEXTS), "--device", args.device]
-    for option in ("max_batch_size", "max_wait_ms"):
+    for option in ("max_batch_size", "max_wait_ms", "workers"):
         if getattr(args, option) is not None:
             cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     proc = subprocess.Popen(cmd, cwd=REPO, env=bc.child_env(), stderr=subprocess.PIPE, text=True)
@@ -203,12 +204,27 @@ async def run_load(host: str, port: str, requests: list[tuple[bytes, int]], conc
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system, all threads) a process has used so far, from /proc (Linux)."""
+    """CPU time (user + system, all threads) used so far by a process and its descendants that are still
+    running (the server processes of `tfm serve --workers`), from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        process = todo.pop()
+        if fields := _stat(process):
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+            todo += children.get(process, [])
+    return total if _stat(pid) else float("nan")
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, ppid, ...); None once the process is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return None
 
 
 def measured_load(host: str, port: str, requests: list[tuple[bytes, int]], concurrency: int, pid: int) -> dict:

@@ -3,10 +3,12 @@ checks and JSON (never its speed)."""
 
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, make_examples, make_review, write_jsonl
@@ -64,6 +66,19 @@ def _script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_cpu_time_counts_the_processes_a_server_started():
+    script = _script()
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nprint(flush=True)\ninput()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()  # it has used its 0.5 s and waits
+        assert script.cpu_seconds(child.pid) >= 0.45
+        assert script.cpu_seconds(os.getpid()) >= time.process_time() + 0.45  # this process's, and its child's
+    finally:
+        child.communicate("")
+    assert math.isnan(script.cpu_seconds(child.pid))  # gone
 
 
 def test_percentiles_are_nearest_rank():

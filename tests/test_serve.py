@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -25,6 +26,7 @@ from transformer_cli.evaluate import predict_texts
 
 STARTUP_SEC = 120  # a generous bound for a loaded machine; the test never asserts speed
 LIMITS = ["--max-texts", "8", "--max-body-bytes", "4000", "--max-batch-size", "16"]
+ONE = ["--workers", "1"]  # one server process: /health's counts are the server's (with more, each process's own)
 
 
 class Server:
@@ -59,7 +61,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(trained_dir):
-    s = Server(trained_dir, *LIMITS)
+    s = Server(trained_dir, *LIMITS, *ONE)
     yield s
     assert s.stop() == 0
 
@@ -163,7 +165,7 @@ def test_concurrent_requests_are_batched_and_get_their_own_answers(server, train
 
 def test_sigterm_lets_requests_in_flight_finish_and_exits_0(trained_dir):
     # Requests wait up to 3 s for others to join their batch: in flight for certain when SIGTERM comes.
-    s = Server(trained_dir, "--max-wait-ms", "3000", "--max-batch-size", "64")
+    s = Server(trained_dir, "--max-wait-ms", "3000", "--max-batch-size", "64", *ONE)
     texts = list(dict.fromkeys(mixed_texts(12, seed=7, long_words=60)))
     expected = dict(zip(texts, predict_texts(trained_dir, texts, "auto")))
     bodies = requests_of(texts)
@@ -196,7 +198,7 @@ def raw_request(url: str, body: bytes, declared: int | None = None) -> socket.so
 
 
 def test_sigterm_closes_a_stalled_upload_after_the_drain_timeout_and_exits_0(trained_dir):
-    s = Server(trained_dir, "--drain-timeout", "1")
+    s = Server(trained_dir, "--drain-timeout", "1", "--workers", "2")  # SIGTERM passed on to both processes
     stalled = raw_request(s.url, b'{"texts": ["good', declared=100)  # and then nothing more
     try:
         time.sleep(0.5)  # read by the server, which waits for the rest of the body
@@ -210,10 +212,137 @@ def test_sigterm_closes_a_stalled_upload_after_the_drain_timeout_and_exits_0(tra
     assert "Traceback" not in log and "CancelledError" not in log, log[-2000:]
 
 
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--workers above 1 needs Linux")
+
+
+def health_by_process(url: str, processes: int) -> dict[int, dict]:
+    """GET /health, each on a new connection (the kernel hands it to one server process), until
+    `processes` processes have answered: {pid: its answer}."""
+    seen = {}
+    for _ in range(200):  # two processes: all 200 to one of them has odds of 2**-199
+        answer = httpx.get(f"{url}/health").json()
+        seen[answer["pid"]] = answer
+        if len(seen) == processes:
+            break
+    return seen
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@linux_only
+def test_workers_share_the_port_each_answering_as_predict_and_ctrl_c_stops_them(trained_dir):
+    s = Server(trained_dir, *LIMITS, "--workers", "2")
+    try:
+        pids = set(health_by_process(s.url, 2))
+        assert len(pids) == 2 and s.proc.pid not in pids  # two server processes, started by tfm serve
+        assert httpx.get(f"{s.url}/metadata").json()["workers"] == 2
+        texts = list(dict.fromkeys(mixed_texts(40, seed=6, long_words=120)))
+        expected = dict(zip(texts, predict_texts(trained_dir, texts, "auto")))
+        bodies = requests_of(texts)
+        assert_answers(asyncio.run(concurrently(s.url, bodies)), bodies, expected)
+        served = {pid: answer["requests"] for pid, answer in health_by_process(s.url, 2).items()}
+        assert sum(served.values()) == len(bodies) and min(served.values()) > 0, served  # 20 connections, both used
+        s.proc.send_signal(signal.SIGINT)  # Ctrl-C: the terminal signals tfm serve, which passes it on
+        assert s.proc.wait(timeout=60) == 0
+        assert not any(running(pid) for pid in pids)
+    finally:
+        s.stop()
+
+
+@linux_only
+def test_sigterm_lets_each_processs_requests_in_flight_finish_and_exits_0(trained_dir):
+    # Idle connections to both processes make each one's first request wait its 5 s for others: the
+    # requests are in flight for certain when SIGTERM comes.
+    s = Server(trained_dir, "--workers", "2", "--max-wait-ms", "5000", "--max-batch-size", "64")
+    idle = [socket.create_connection(s.url.removeprefix("http://").rsplit(":", 1)) for _ in range(16)]
+    texts = list(dict.fromkeys(mixed_texts(12, seed=7, long_words=60)))
+    expected = dict(zip(texts, predict_texts(trained_dir, texts, "auto")))
+    bodies = requests_of(texts)
+
+    async def scenario():
+        pending = asyncio.ensure_future(concurrently(s.url, bodies))
+        in_flight = {}
+        while len(in_flight) < 2 or sum(in_flight.values()) < len(bodies):
+            async with httpx.AsyncClient() as client:  # a new connection: either process may answer
+                answer = (await client.get(f"{s.url}/health")).json()
+            in_flight[answer["pid"]] = answer["in_flight"]
+        s.proc.send_signal(signal.SIGTERM)
+        return await pending
+
+    try:
+        responses = asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+        assert_answers(responses, bodies, expected)
+        assert s.proc.wait(timeout=60) == 0
+    finally:
+        for conn in idle:
+            conn.close()
+        s.stop()
+
+
+@linux_only
+def test_a_server_process_that_dies_stops_the_others_and_fails_in_one_line(trained_dir):
+    s = Server(trained_dir, "--workers", "2")
+    try:
+        dead, other = health_by_process(s.url, 2)
+        os.kill(dead, signal.SIGKILL)
+        assert s.proc.wait(timeout=60) == 1
+        assert not running(other)
+    finally:
+        s.stop()
+    time.sleep(0.2)  # the reader thread's last lines
+    errors = [line for line in s.lines.queue if "error" in line.lower()]
+    assert errors == [f"tfm: error: server process {dead} exited with code -9; the others were stopped\n"], errors
+
+
+@linux_only
+def test_server_processes_stop_when_tfm_serve_is_killed(trained_dir):
+    s = Server(trained_dir, "--workers", "2")
+    pids = list(health_by_process(s.url, 2))
+    s.proc.kill()  # no chance to stop them: they notice their pipe to it close
+    s.proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in pids)
+
+
+def test_default_workers_are_one_per_torch_thread_up_to_evaluates_cap_on_a_linux_cpu(monkeypatch):
+    import torch
+
+    from transformer_cli import serve as serve_mod
+    from transformer_cli.evaluate import CPU_WORKERS
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    workers = {}
+    for threads in (1, 2, 3, 16):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        workers[threads] = serve_mod.default_workers("cpu")
+    assert CPU_WORKERS < 16 and workers == {1: 1, 2: 2, 3: min(3, CPU_WORKERS), 16: CPU_WORKERS}
+    monkeypatch.setattr(sys, "platform", "darwin")  # its SO_REUSEPORT does not spread connections
+    assert serve_mod.default_workers("cpu") == 1
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(serve_mod, "resolve_device", lambda name: torch.device("cuda", 0))
+    assert serve_mod.default_workers("auto") == 1
+
+
+def test_more_workers_than_one_outside_linux_is_a_usage_error(trained_dir, monkeypatch):
+    from transformer_cli import serve as serve_mod
+    from transformer_cli.errors import UsageError
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(UsageError, match="--workers 2 needs Linux.*pass --workers 1"):
+        serve_mod.serve(trained_dir, port=0, workers=2, on_ready=lambda url: None)
+
+
 def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(trained_dir):
     # The first request waits up to 2 s for others to join its model call (another connection is open,
     # idle, so it does wait): its client leaves meanwhile.
-    s = Server(trained_dir, "--max-wait-ms", "2000")
+    s = Server(trained_dir, "--max-wait-ms", "2000", *ONE)
     idle = socket.create_connection(s.url.removeprefix("http://").rsplit(":", 1))
     try:
         gone = raw_request(s.url, json.dumps({"texts": ["a film to forget"]}).encode())
@@ -368,14 +497,16 @@ def test_what_startup_made_is_out_of_the_collectors_way_before_serving(trained_d
     assert gc.get_freeze_count() == 0
     try:
         with pytest.raises(Started):
-            serve_mod.serve(trained_dir, port=0, on_ready=lambda url: None)
+            serve_mod.serve(trained_dir, port=0, workers=1, on_ready=lambda url: None)
     finally:
         gc.unfreeze()  # the rest of the tests collect as usual
     assert frozen and frozen[0] > 10_000  # the modules, the model and the app: a full collection skips them
 
 
-def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir):
-    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(tmp_path / "missing"), "--port", "0"]
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_bad_model_directory_fails_before_serving(tmp_path, trained_dir, workers):
+    cmd = [sys.executable, "-m", "transformer_cli", "serve", "-c", str(tmp_path / "missing"), "--port", "0",
+           "--workers", workers]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and done.stderr.startswith("tfm: error: ") and len(done.stderr.splitlines()) == 1
     assert "does not exist" in done.stderr and "serving" not in done.stderr

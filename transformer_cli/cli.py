@@ -485,6 +485,10 @@ def serve(
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for requests in flight (a stalled "
                                                  "upload, say) before it closes their connections.")] = 30.0,
+    workers: Annotated[int | None, typer.Option(min=1, help="Server processes sharing the port, each with the "
+                                                "model and a share of the CPU threads. Default: one per torch "
+                                                "thread, up to 4, on a CPU under Linux; else 1.",
+                                                show_default=False)] = None,
     device: Device = "auto",
     precision: InferPrecision = None,
 ) -> None:
@@ -493,7 +497,7 @@ def serve(
     from transformer_cli.serve import serve as run_server  # imports torch
 
     limits = Limits(max_batch_size, max_wait_ms, max_texts, max_body_bytes, batch_size, drain_timeout)
-    run_server(checkpoint, host, port, limits, device, precision,
+    run_server(checkpoint, host, port, limits, device, precision, workers,
                on_ready=lambda url: typer.echo(f"tfm: serving {checkpoint} on {url}; stop with Ctrl-C or SIGTERM",
                                                err=True))
 

@@ -24,15 +24,22 @@ import inspect
 import json
 import logging
 import math
+import os
+import signal
 import socket
+import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from transformer_cli import __version__
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded, warm_up
+from transformer_cli.evaluate import CPU_WORKERS, Loaded, load_for_inference, predict_loaded, warm_up
 from transformer_cli.fileio import read_json
+from transformer_cli.runtime import resolve_device
 
 USAGE = 'send {"texts": ["a review", ...]}'
 
@@ -57,18 +64,41 @@ class Limits:
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
-          device: str = "auto", precision: str | None = None,
+          device: str = "auto", precision: str | None = None, workers: int | None = None,
           on_ready: Callable[[str], None] = print) -> None:
     """Load the model, open the port, serve until SIGTERM or Ctrl-C. `on_ready` gets the URL once the
-    server accepts requests (port 0: a free port, named there)."""
+    server accepts requests (port 0: a free port, named there). `workers` server processes share the
+    port (None: default_workers); each loads the model and batches the requests that reach it."""
     _require("fastapi", "uvicorn")
+    workers = default_workers(device) if workers is None else workers
+    if workers < 1:
+        raise UsageError(f"--workers must be 1 or more, not {workers}")
+    if workers == 1:
+        serve_here(model_dir, lambda: bind(host, port), limits, device, precision, workers, on_ready)
+    else:
+        serve_processes(model_dir, host, port, limits, device, precision, workers, on_ready)
+
+
+def default_workers(device: str) -> int:
+    """Server processes `tfm serve` starts by default: on a CPU under Linux, one per torch thread up to
+    evaluate's CPU_WORKERS; one process has a single event loop, whose work per request leaves the
+    CPUs part idle at many clients (docs/serving.md). Elsewhere 1: a GPU runs one batch at a time
+    anyway, and other systems' SO_REUSEPORT does not spread connections over processes."""
+    if not sys.platform.startswith("linux") or resolve_device(device).type != "cpu":
+        return 1
+    return max(1, min(torch.get_num_threads(), CPU_WORKERS))
+
+
+def serve_here(model_dir: str | Path, open_socket: Callable[[], socket.socket], limits: Limits, device: str,
+               precision: str | None, workers: int, on_ready: Callable[[str], None]) -> None:
+    """Serve in this process on the socket `open_socket()` makes once the model is loaded and warm."""
     import uvicorn
 
     loaded = load_for_inference(model_dir, device, precision)
     warm_up(loaded, limits.batch_size)  # first-call costs (allocator, oneDNN's kernels) paid before serving
-    metadata = model_metadata(model_dir, loaded, limits)
-    sock = bind(host, port)
-    url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+    metadata = model_metadata(model_dir, loaded, limits, workers)
+    sock = open_socket()
+    url = f"http://{_url_host(sock.getsockname()[0])}:{sock.getsockname()[1]}"
     server = None  # made below, with the app; the batcher asks it how many connections are open
     app = make_app(loaded, metadata, limits, lambda: on_ready(url), lambda: open_connections(server))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
@@ -78,6 +108,106 @@ def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limi
     gc.collect()  # startup's garbage goes now, and what it kept (torch, the model, the app) leaves the
     gc.freeze()  # collector, whose full passes over it stalled every request in flight (docs/serving.md)
     server.run(sockets=[sock])  # run, not asyncio.run(serve): it sets up uvloop where installed
+
+
+def serve_processes(model_dir: str | Path, host: str, port: int, limits: Limits, device: str,
+                    precision: str | None, workers: int, on_ready: Callable[[str], None]) -> None:
+    """Serve from `workers` processes, each listening on host:port with SO_REUSEPORT, where the kernel
+    hands each new connection to one of them, and each with an even share of the torch threads. This
+    process starts them, says ready once all are, passes SIGTERM and Ctrl-C on to them, and fails
+    (stopping the rest) when one of them fails."""
+    if not sys.platform.startswith("linux"):
+        raise UsageError(f"--workers {workers} needs Linux, whose SO_REUSEPORT spreads connections over "
+                         "processes; pass --workers 1")
+    import multiprocessing
+
+    probe = bind(host, port, listen=False)  # fails as one process's bind would, with the port in use
+    address, port = probe.getsockname()[:2]  # port 0: the free one the processes share
+    probe.close()
+    reserved = bind(host, port, reuse_port=True, listen=False)  # the port is ours until the processes listen
+    threads = max(1, torch.get_num_threads() // workers)
+    spawn = multiprocessing.get_context("spawn")  # not fork: torch's thread pools do not survive a fork
+    processes, pipes = [], []
+    try:
+        for _ in range(workers):
+            ours, theirs = spawn.Pipe()
+            process = spawn.Process(target=_serve_process, name="tfm-serve", args=(
+                theirs, model_dir, host, port, limits, device, precision, workers, threads))
+            process.start()
+            theirs.close()
+            processes.append(process)
+            pipes.append(ours)  # kept open while serving: a process whose pipe closes stops
+        for pipe in pipes:
+            try:
+                failure = pipe.recv()  # None once the process serves
+            except EOFError:
+                raise TfmError("a server process exited while starting (its error is above)") from None
+            if failure is not None:
+                raise failure
+    except BaseException:
+        for process in processes:
+            process.terminate()
+            process.join()
+        raise
+    finally:
+        reserved.close()
+    on_ready(f"http://{_url_host(address)}:{port}")
+    _supervise(processes)
+
+
+def _serve_process(pipe, model_dir, host, port, limits, device, precision, workers, threads) -> None:
+    """A server process of serve_processes: serve, and say on `pipe` when ready or why not."""
+    os.setpgid(0, 0)  # out of the terminal's process group: Ctrl-C reaches the parent, which passes it on once
+    torch.set_num_threads(threads)
+    threading.Thread(target=_stop_with_parent, args=(pipe,), daemon=True).start()
+    try:
+        serve_here(model_dir, lambda: bind(host, port, reuse_port=True), limits, device, precision, workers,
+                   lambda url: pipe.send(None))
+    except TfmError as e:
+        pipe.send(e)
+        sys.exit(e.exit_code)
+
+
+def _stop_with_parent(pipe) -> None:
+    """SIGTERM this process (draining as usual) once its parent is gone: its end of `pipe` then closes."""
+    with contextlib.suppress(EOFError, OSError):
+        pipe.recv()  # the parent sends nothing
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _supervise(processes: list) -> None:
+    """Wait for the server processes, passing SIGTERM and SIGINT on to them; if one fails, stop the rest
+    and raise. Returns once all have exited 0 (after a signal, having drained their requests)."""
+    from multiprocessing.connection import wait
+
+    stopping = False
+
+    def stop(signum, frame=None) -> None:
+        nonlocal stopping
+        stopping = True
+        for process in processes:
+            if process.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    failed = None
+    try:
+        running = list(processes)
+        while running:
+            wait([process.sentinel for process in running])
+            for process in [process for process in running if not process.is_alive()]:
+                running.remove(process)
+                if process.exitcode != 0 and failed is None:
+                    failed = process
+                    if not stopping:
+                        stop(signal.SIGTERM)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if failed is not None:
+        raise TfmError(f"server process {failed.pid} exited with code {failed.exitcode}; the others were "
+                       "stopped")
 
 
 def open_connections(server) -> float:
@@ -104,8 +234,9 @@ def _require(*modules: str) -> None:
             raise TfmError(f"tfm serve needs 'pip install transformer-cli[serve]' ({e})") from None
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port, or a one-line error saying why not."""
+def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket on host:port, listening unless told not to, or a one-line error saying why not.
+    `reuse_port`: shared with this user's other sockets that set it (SO_REUSEPORT, Linux)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -113,9 +244,12 @@ def bind(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
     except OSError as e:
         sock.close()
         raise TfmError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
@@ -127,8 +261,8 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits) -> dict:
-    """GET /metadata: labels, the model's sizes and the training run's metrics.json."""
+def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits, workers: int = 1) -> dict:
+    """GET /metadata: labels, the model's sizes, the training run's metrics.json and how it is served."""
     rt, model, cfg, _, labels, temperature = loaded
     metrics_path = Path(model_dir) / "metrics.json"
     try:
@@ -147,6 +281,7 @@ def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits) -> dic
         "temperature": temperature,  # the calibration that predictions divide the logits by
         "training_metrics": metrics,
         "limits": dataclasses.asdict(limits),
+        "workers": workers,  # server processes, each answering the connections the kernel hands it
     }
 
 
@@ -310,8 +445,8 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "in_flight": batcher.in_flight, "requests": batcher.requests,
-                "batches": batcher.batches}
+        return {"status": "ok", "pid": os.getpid(), "in_flight": batcher.in_flight,  # counts: this process's
+                "requests": batcher.requests, "batches": batcher.batches}
 
     @app.get("/metadata")
     async def get_metadata() -> dict:
