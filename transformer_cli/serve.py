@@ -14,6 +14,9 @@ then it hands each request its slice of the results. Errors are JSON {"error": "
 bad requests (400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many
 texts) and 500 for a failure of the model; the server keeps serving after each. SIGTERM or Ctrl-C
 stops accepting connections, lets the requests in flight finish, and exits 0.
+
+On a CPU under Linux several such server processes share the port (`serve_processes`), each with its
+own socket: one process's event loop leaves the CPUs part idle at many clients (docs/serving.md).
 """
 
 import asyncio
