@@ -209,8 +209,9 @@ def _supervise(processes: list) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if failed is not None:
-        raise TfmError(f"server process {failed.pid} exited with code {failed.exitcode}; the others were "
-                       "stopped")
+        code = failed.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise TfmError(f"server process {failed.pid} {how}; the others were stopped")
 
 
 def open_connections(server) -> float:
@@ -264,7 +265,7 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits, workers: int = 1) -> dict:
+def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits, workers: int) -> dict:
     """GET /metadata: labels, the model's sizes, the training run's metrics.json and how it is served."""
     rt, model, cfg, _, labels, temperature = loaded
     metrics_path = Path(model_dir) / "metrics.json"
