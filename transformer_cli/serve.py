@@ -5,6 +5,8 @@ the request bodies, and uvicorn shuts down gracefully. The serve extra installs 
 which uvicorn then takes for parsing HTTP and for the event loop: the loop's work per request is a
 share of the server's time at many clients (docs/serving.md). Routes: POST /predict {"texts": [...]} ->
 {"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
+POST /predict, where the load goes, is a plain ASGI function in front of the FastAPI app: FastAPI's
+routing and middleware cost a request as much CPU as the rest of its HTTP work (docs/serving.md).
 
 Requests go into a queue; one batcher task takes the first waiting request, adds those already
 waiting and those that arrive within `max_wait_ms`, up to `max_batch_size` texts, but stops waiting
@@ -383,10 +385,11 @@ class ApiError(Exception):
 
 def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None],
              open_connections: Callable[[], float]):
-    """The FastAPI app around a model from load_for_inference; `open_connections()`: how many HTTP
-    connections the server holds open now."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    """The ASGI app around a model from load_for_inference: POST /predict (`predict`) in front of a FastAPI
+    app with the other routes and the 404/405 answers. `open_connections()`: how many HTTP connections
+    the server holds open now."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, ValidationError
     from starlette.exceptions import HTTPException
 
@@ -409,43 +412,11 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
             batcher.worker.shutdown(wait=True)
 
     app = FastAPI(title="tfm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  **no_telemetry(FastAPI))
-
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse({"error": message}, status_code=status)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        return error(e.status, str(e))
+                  openapi_url=None, **no_telemetry(FastAPI))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # 404, 405
-        return error(e.status_code, f"{e.detail}: {request.method} {request.url.path}; this server has "
-                     "POST /predict, GET /health and GET /metadata")
-
-    @app.post("/predict")
-    async def predict(request: Request) -> Response:
-        body = await read_body(request, limits.max_body_bytes)
-        try:
-            texts = PredictRequest.model_validate_json(body).texts
-        except ValidationError as e:
-            raise validation_error(e) from None
-        check_texts(texts, limits.max_texts)
-        answer = asyncio.ensure_future(batcher(texts))
-        gone = asyncio.ensure_future(disconnected(request))
-        try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not answer.done():  # the client went away: its texts leave the queue before the model reads them
-            answer.cancel()
-            raise ApiError(400, "the client closed the connection before its answer")  # sent to no one
-        try:
-            predictions = answer.result()
-        except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
-            raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
-        # encoded here: a returned dict would be walked by FastAPI's jsonable_encoder first
-        return Response(json.dumps({"predictions": predictions}), media_type="application/json")
+        return JSONResponse({"error": route_error(e.detail, request.method, request.url.path)}, e.status_code)
 
     @app.get("/health")
     async def health() -> dict:
@@ -456,7 +427,44 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
     async def get_metadata() -> dict:
         return metadata
 
-    return app
+    async def predict(scope, receive, send) -> None:
+        """{"texts": [...]} -> {"predictions": [one object per text]}, or {"error": "..."} with its status."""
+        try:
+            if scope["method"] != "POST":
+                raise ApiError(405, route_error("Method Not Allowed", scope["method"], scope["path"]))
+            body = await read_body(scope, receive, limits.max_body_bytes)
+            try:
+                texts = PredictRequest.model_validate_json(body).texts
+            except ValidationError as e:
+                raise validation_error(e) from None
+            check_texts(texts, limits.max_texts)
+            answer = asyncio.ensure_future(batcher(texts))
+            gone = asyncio.ensure_future(disconnected(receive))
+            try:
+                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+            if not answer.done():  # the client went away: its texts leave the queue before the model reads them
+                answer.cancel()
+                raise ApiError(400, "the client closed the connection before its answer")  # sent to no one
+            try:
+                status, answered = 200, {"predictions": answer.result()}
+            except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
+                raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
+        except ApiError as e:
+            status, answered = e.status, {"error": str(e)}
+        payload = json.dumps(answered).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def serve_app(scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/predict":
+            await predict(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return serve_app
 
 
 def no_telemetry(fastapi_class) -> dict:
@@ -468,28 +476,31 @@ def no_telemetry(fastapi_class) -> dict:
     return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
 
 
-async def read_body(request, limit: int) -> bytes:
-    """The request's body, refused with 413 as soon as it is known to be over `limit` bytes."""
-    from starlette.requests import ClientDisconnect
+def route_error(detail: str, method: str, path: str) -> str:
+    return f"{detail}: {method} {path}; this server has POST /predict, GET /health and GET /metadata"
 
-    declared = request.headers.get("content-length", "")
+
+async def read_body(scope, receive, limit: int) -> bytes:
+    """The request's body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    declared = dict(scope["headers"]).get(b"content-length", b"")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {int(declared)} bytes is over the limit of {limit} (--max-body-bytes)")
     chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone during its upload: nothing to answer, and nothing to log
-        raise ApiError(400, "the client closed the connection during its request body") from None
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":  # gone during its upload: nothing to answer
+            raise ApiError(400, "the client closed the connection during its request body")
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
-async def disconnected(request) -> None:
+async def disconnected(receive) -> None:
     """Returns once the client has closed the connection (its body already read)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
