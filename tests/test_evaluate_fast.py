@@ -136,9 +136,23 @@ def test_pack_plan_covers_every_example_once_in_even_passes(seed, batch_size, ma
     heaviest = float(ev.text_work(lengths, 384).max())
     if all(len(idx) < batch_size for idx in plan):  # cut by work alone
         assert max(work) <= sum(work) / len(plan) + heaviest  # each within one text of an even share
-        k = min(len(lengths), math.ceil(math.ceil(lengths.sum() / max_tokens) / parts) * parts)
+        total = int(lengths.sum())
+        k = max(int(total / max_tokens + 0.5), math.ceil(total / (max_tokens + lengths.max())), 1)
+        k = min(len(lengths), math.ceil(k / parts) * parts)
         if heaviest <= sum(work) / k:  # no text is more than a share: k passes, a multiple of parts if it can be
             assert len(plan) == k
+
+
+@pytest.mark.parametrize(("lengths", "passes"), [
+    ([100] * 16, 1),
+    ([256] * 16, 1),  # one budget (4,096 tokens)
+    ([256] * 15 + [1000], 1),  # over it by less than the longest text: one pass, not two half ones
+    ([300] * 16, 2),  # over it by more
+    ([256] * 40, 3),  # 2.5 budgets, rounded
+    ([256] * 36, 3),  # 2.25 budgets: two passes would each hold more than a budget and a text
+])
+def test_pack_plan_makes_the_passes_nearest_the_token_budget(lengths, passes):
+    assert len(ev.pack_plan(np.array(lengths), 64, 4096)) == passes
 
 
 def test_a_texts_work_grows_with_its_attention():

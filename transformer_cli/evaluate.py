@@ -104,14 +104,18 @@ def text_work(lengths: np.ndarray, attention_length: float = math.inf) -> np.nda
 def pack_plan(lengths: np.ndarray, batch_size: int, max_tokens: int, parts: int = 1,
               attention_length: float = math.inf) -> list[np.ndarray]:
     """Indices sorted by length (stable), cut into passes of packed texts, of about `max_tokens` tokens and at
-    most `batch_size` texts, and of even work (`text_work`: attention grows with a text's length). Where
-    there are enough texts the number of passes is a multiple of `parts`, so that as many workers get
-    even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
+    most `batch_size` texts, and of even work (`text_work`: attention grows with a text's length). The
+    number of passes is the tokens over `max_tokens` rounded to the nearest, not up, as long as a pass
+    holds on average at most `max_tokens` plus the longest text: a few texts just over a budget go in
+    one pass rather than two half ones, each with a pass's own cost (docs/experiments.md#evaluation-speed).
+    Where there are enough texts the number of passes is a multiple of `parts`, so that as many
+    workers get even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
     order = np.argsort(lengths, kind="stable")
     n = len(order)
     if n == 0:
         return []
-    k = max(-(-int(lengths.sum()) // max(max_tokens, 1)), 1)
+    total, max_tokens = int(lengths.sum()), max(max_tokens, 1)
+    k = max(int(total / max_tokens + 0.5), -(-total // (max_tokens + int(lengths.max()))), 1)
     k = min(n, -(-k // parts) * parts)
     work = np.cumsum(text_work(lengths[order], attention_length))  # up to and including each text
     # a pass ends with the text that brings it to its share of the work
