@@ -385,9 +385,9 @@ class ApiError(Exception):
 
 def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None],
              open_connections: Callable[[], float]):
-    """The ASGI app around a model from load_for_inference: POST /predict (`predict`) in front of a FastAPI
-    app with the other routes and the 404/405 answers. `open_connections()`: how many HTTP connections
-    the server holds open now."""
+    """The ASGI app around a model from load_for_inference: /predict (`predict`) in front of a FastAPI app
+    with the other routes and the 404/405 answers to the rest. `open_connections()`: how many HTTP
+    connections the server holds open now."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, ValidationError
