@@ -363,6 +363,20 @@ def test_a_client_gone_before_its_answer_costs_no_model_call_and_no_traceback(tr
     assert "Traceback" not in log and "Exception" not in log, log[-2000:]
 
 
+def test_a_failure_of_the_model_is_a_json_500_for_its_request_and_serving_goes_on():
+    from starlette.testclient import TestClient
+
+    from transformer_cli.serve import Limits, make_app
+
+    app = make_app(None, {}, Limits(), lambda: None, lambda: 1)  # no model: every model call fails
+    with TestClient(app) as client:
+        r = client.post("/predict", json={"texts": ["a film"]})
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert r.json()["error"].startswith("prediction failed: ")
+        assert client.post("/predict", content=b"{").status_code == 400  # still answering
+        assert client.get("/health").json()["requests"] == 1
+
+
 def test_a_cancelled_request_is_left_out_of_the_model_call():
     from transformer_cli.serve import Batcher, Limits
 
