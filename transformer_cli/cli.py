@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import OBJECTIVE_NAMES, check_command_overrides, load_config, parse_overrides, read_toml
+from transformer_cli.config import check_command_overrides, load_config, parse_overrides, read_toml
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
@@ -211,7 +211,7 @@ def train(
     options.update({"data.max_eval_samples": max_eval_samples, "train.test_at_end": True if test else None,
                     "train.init_from": None if init_from is None else str(init_from)})
     cfg = _training_config("train", config, overrides, options)
-    from transformer_cli.train import train as run_train  # imports torch
+    from transformer_cli.training.classify import train as run_train  # imports torch
 
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
@@ -241,7 +241,7 @@ def pretrain(
     device: TrainDevice = None, precision: Precision = None, max_train_samples: MaxTrainSamples = None,
     resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
 ) -> None:
-    """Pretrain the encoder on unlabelled text (masked-LM, ELECTRA or word vectors) and write OUTPUT_DIR
+    """Pretrain the encoder as a masked language model on unlabelled text and write OUTPUT_DIR
     (default runs/pretrain): model.safetensors, config.json, tokenizer.json, metrics.json, events.
     `tfm train --init-from` reads it."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
@@ -251,15 +251,14 @@ def pretrain(
         config is not None and "output_dir" in read_toml(config).get("train", {}))
     if not named:  # the default folder is not `tfm train`'s
         cfg = cfg.replace(train={"output_dir": PRETRAIN_OUTPUT_DIR})
-    from transformer_cli.pretrain import pretrain as run_pretrain  # imports torch
+    from transformer_cli.training.pretrain import pretrain as run_pretrain  # imports torch
 
     metrics = run_pretrain(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
     if os.environ.get("RANK", "0") != "0":
         return
     val, metric = metrics["val"], metrics["select_metric"]
-    objective = OBJECTIVE_NAMES[cfg.pretrain.objective]
     other = "accuracy" if metric == "loss" else "loss"
-    typer.echo(f"done: best held-out {objective} {metric} {val[metric]:.4f} ({other} {val[other]:.4f}) at step "
+    typer.echo(f"done: best held-out masked-LM {metric} {val[metric]:.4f} ({other} {val[other]:.4f}) at step "
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 
@@ -352,10 +351,6 @@ def predict(
     """Print the predicted label and its probability for each review, in input order."""
     if ig_steps is not None and not explain:
         raise UsageError("--ig-steps sets how --explain integrates; add --explain")
-    if explain:
-        from transformer_cli.explain import refuse_ngram_path  # imports torch
-
-        refuse_ngram_path(checkpoint)
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts  # imports torch
 
@@ -541,9 +536,6 @@ def explain_reviews(
                    for name in (ckpt.MODEL_FILE, ckpt.CONFIG_FILE, ckpt.TOKENIZER_FILE, ckpt.METRICS_FILE)]
     check_output_path(html, "--html", hint="pass a file name for the page",  # before the explanations' minutes
                       inputs=[*([file] if file not in (None, "-") else []), *model_files])
-    from transformer_cli.explain import refuse_ngram_path
-
-    refuse_ngram_path(checkpoint)
     inputs = _read_inputs(texts or [], file)
     from transformer_cli.evaluate import predict_texts
 

@@ -127,41 +127,27 @@ def _toml_hint(value: Any, tp: Any) -> str:
 class ModelConfig(_Section):
     _name = "model"
     d_model: int = 64  # embedding / residual width
-    n_heads: int = 2  # head size 32: the CPU attention kernels run faster than at 16
+    n_heads: int = 2
     n_layers: int = 2
     ff_mult: int = 4  # feed-forward hidden = ff_mult * d_model
     ff: Literal["gelu", "geglu"] = "gelu"  # geglu: gated, hidden 2/3 as wide (about the same parameters)
     dropout: float = 0.1  # on embeddings and on what each sub-layer adds to the residual stream
-    attn_dropout: float = 0.0  # on attention probabilities; > 0 forces the slower unfused kernels
     token_dropout: float = 0.5  # training only: share of tokens hidden from the transformer (like padding)
     pooling: Literal["max", "mean", "first"] = "max"
     norm: Literal["post", "pre"] = "pre"
     pos_emb: Literal["learned", "sinusoidal", "rope"] = "learned"  # rope: rotary, relative positions inside attention
-    attention: Literal["auto", "sdpa", "explicit"] = "auto"  # auto: sdpa, or kernels.attention_bf16 where it runs
-    ngram_buckets: int = 0  # > 0: a linear n-gram path beside the transformer (wide and deep); hash buckets for n > 1
-    ngram_order: int = 3  # the longest n-gram: 2 = unigrams and bigrams
-    ngram_lr_scale: float = 60.0  # the n-gram table learns at this multiple of train.lr
-    ngram_binary: bool = True  # each distinct n-gram counts once (False: every occurrence counts)
-    ngram_own_loss: bool = True  # the path learns alone; the transformer learns what it gets wrong
-    lazy_embeddings: bool = False  # embedding tables learn only in the rows a step uses (LazyAdamW)
 
     def validate(self) -> None:
         for name, most in (("d_model", MAX_WIDTH), ("n_heads", MAX_WIDTH), ("n_layers", MAX_DEPTH),
                            ("ff_mult", MAX_DEPTH)):
             if not 1 <= getattr(self, name) <= most:
                 self._fail(name, f"must be between 1 and {most:,}")
-        if not 0 <= self.ngram_buckets <= MAX_VOCAB:
-            self._fail("ngram_buckets", f"must be 0 (off) or a number of hash buckets up to {MAX_VOCAB:,}")
-        if not 1 <= self.ngram_order <= 8:
-            self._fail("ngram_order", "must be between 1 (unigrams only) and 8")
-        if not (self.ngram_lr_scale > 0 and math.isfinite(self.ngram_lr_scale)):
-            self._fail("ngram_lr_scale", "must be a positive number")
         if self.d_model % self.n_heads:
             self._fail("d_model", f"must be divisible by model.n_heads = {self.n_heads}")
         if self.pos_emb == "rope" and (self.d_model // self.n_heads) % 2:
             self._fail("pos_emb", f"rope rotates pairs of a head's dimensions: the head size "
                                   f"(d_model / n_heads = {self.d_model // self.n_heads}) must be even")
-        for name in ("dropout", "attn_dropout", "token_dropout"):
+        for name in ("dropout", "token_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 self._fail(name, "must be in [0, 1)")
 
@@ -174,10 +160,7 @@ class DataConfig(_Section):
     label_column: str = "label"
     val_split: str = "validation"  # the dataset's split to validate on, if it has one; "" = always hold out
     val_size: float = 0.1  # otherwise the fraction of train held out for validation (stratified, seeded)
-    val_block: int = 1  # > 1: hold out runs of this many consecutive examples (e.g. a movie's reviews)
-    tokenizer: Literal["wordpiece", "bpe"] = "wordpiece"
-    vocab_size: int = 30000
-    lowercase: bool = True
+    vocab_size: int = 30000  # of the WordPiece tokenizer trained on the training texts (lowercased)
     max_length: int = 1024  # tokens per review, including the leading [CLS]
     # Tokens per training review (default: max_length). Shorter trains on cut reviews and still validates, tests and
     # predicts on max_length: attention's cost grows with length, and rotary positions read past where they trained.
@@ -188,7 +171,6 @@ class DataConfig(_Section):
     max_eval_samples: int | None = None
     pseudo_labels: str | None = None  # a `tfm pseudo-label` file whose reviews join the training part
     pseudo_min_score: float = 0.0  # of those, only the ones labelled with at least this probability
-    cache_dir: str | None = None  # default: $TFM_CACHE or ~/.cache/transformer_cli
 
     def validate(self) -> None:
         if not self.source:
@@ -198,8 +180,6 @@ class DataConfig(_Section):
                        "neither train nor are tested on), or be \"\" to hold out part of train")
         if not 0.0 < self.val_size < 1.0:
             self._fail("val_size", "must be a fraction in (0, 1)")
-        if self.val_block < 1:
-            self._fail("val_block", "must be at least 1 (1 = examples drawn one by one)")
         if not 100 <= self.vocab_size <= MAX_VOCAB:
             self._fail("vocab_size", f"must be between 100 and {MAX_VOCAB:,}")
         if not 2 <= self.max_length <= MAX_LENGTH:
@@ -228,31 +208,22 @@ class TrainConfig(_Section):
     lr: float = 1e-3
     weight_decay: float = 0.1
     layer_lr_decay: float = 1.0  # each encoder layer learns at this multiple of the rate of the one above it
-    beta1: float = 0.9
-    beta2: float = 0.98
+    beta2: float = 0.98  # AdamW's second-moment decay (beta1 is 0.9)
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     warmup_steps: int | None = None  # exactly one of warmup_steps / warmup_ratio is used
     warmup_ratio: float = 0.06
-    min_lr_ratio: float = 0.0  # decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
-    label_smoothing: float = 0.0
-    adversarial_eps: float = 0.0  # > 0: adversarial training on the embeddings, moved by this share of their norm
-    virtual_adversarial_eps: float = 0.0  # > 0: virtual adversarial training (no labels needed), the same share
     ema_decay: float = 0.999  # > 0: validate and save an exponential moving average of the weights; 0: off
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     precision: Precision = "auto"
-    compile: bool = False  # torch.compile the model (for GPUs: on CPUs its steps were slower than eager's)
     log_every: int = 20  # steps between train/* scalars
     eval_every: int | None = 0  # steps between validation passes besides each epoch end; 0/unset: epoch ends only
     select_metric: SelectMetric | None = None  # picks the saved model; unset: accuracy (train), loss (pretrain)
     patience: int = 0  # stop after this many validation passes without a better select_metric; 0: never early
     eval_batch_size: int = 256  # reviews per validation and test batch (pretraining validates in fixed batches)
     test_at_end: bool = False  # evaluate the best model on the test split after training
-    calibrate: bool = True  # fit a temperature for the probabilities on validation after training (calibration.py)
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
-    keep_checkpoints: int = 2
-    max_bad_steps: int = 10  # consecutive non-finite steps before training stops
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
     init_from: str | None = None  # a `tfm pretrain` output directory: its encoder and tokenizer start the model
 
@@ -261,8 +232,7 @@ class TrainConfig(_Section):
             self._fail("output_dir", "must name a folder")
         if not 0 <= self.seed < 2**32:
             self._fail("seed", "must be between 0 and 2**32 - 1")
-        positive = ("epochs", "batch_size", "grad_accum_steps", "log_every", "eval_batch_size",
-                    "keep_checkpoints", "max_bad_steps")
+        positive = ("epochs", "batch_size", "grad_accum_steps", "log_every", "eval_batch_size")
         for name in positive:
             if getattr(self, name) < 1:
                 self._fail(name, "must be at least 1")
@@ -283,22 +253,14 @@ class TrainConfig(_Section):
             self._fail("weight_decay", "must be non-negative")
         if not 0.0 < self.layer_lr_decay <= 1.0:
             self._fail("layer_lr_decay", "must be in (0, 1] (1: every layer at train.lr)")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                self._fail(name, "must be in [0, 1)")
+        if not 0.0 <= self.beta2 < 1.0:
+            self._fail("beta2", "must be in [0, 1)")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             self._fail("warmup_steps", "must be non-negative")
         if not 0.0 <= self.warmup_ratio < 1.0:
             self._fail("warmup_ratio", "must be in [0, 1)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            self._fail("min_lr_ratio", "must be in [0, 1]")
         if not self.grad_clip >= 0:
             self._fail("grad_clip", "must be non-negative (0 disables clipping)")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            self._fail("label_smoothing", "must be in [0, 1)")
-        for name in ("adversarial_eps", "virtual_adversarial_eps"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                self._fail(name, "must be in [0, 1): the perturbation's share of the embeddings' norm")
         if not 0.0 <= self.ema_decay < 1.0:
             self._fail("ema_decay", "must be in [0, 1) (0 disables the average)")
         if self.batch_size % self.grad_accum_steps:
@@ -307,24 +269,16 @@ class TrainConfig(_Section):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
 
 
-OBJECTIVE_NAMES = {"mlm": "masked-LM", "electra": "ELECTRA", "skipgram": "skip-gram"}  # pretrain.objective, in words
-
-
 @dataclass(frozen=True)
 class PretrainConfig(_Section):
-    """`tfm pretrain`: self-supervised training of the encoder on unlabelled text."""
+    """`tfm pretrain`: masked-language-model pretraining of the encoder on unlabelled text."""
 
     _name = "pretrain"
-    objective: Literal["mlm", "electra", "skipgram"] = "mlm"  # masked-language modelling (BERT's), replaced-token
-    # detection (ELECTRA's), or word vectors (word2vec's skip-gram; the token embedding alone)
     mask_prob: float = 0.15  # share of each text's tokens the objective predicts (80% [MASK], 10% random, 10% kept)
-    generator_layers: int = 1  # electra: blocks of the generator that proposes the replacements
-    detection_weight: float = 50.0  # electra: weight of the detection loss beside the generator's masked-LM loss
     splits: list[str] = field(default_factory=lambda: ["unsupervised", "train"])  # the source's splits read as text
     val_texts: int = 1000  # texts held out to measure the objective on
     window: int = 0  # > 0: each text is cut into near-equal windows of at most this many tokens, each a training
     # example that keeps its positions in the text; 0: whole texts
-    shard_texts: int = 8192  # texts tokenized at a time into the memory-mapped token file
 
     def validate(self) -> None:
         if not 0.0 < self.mask_prob < 1.0:
@@ -333,21 +287,8 @@ class PretrainConfig(_Section):
             self._fail("splits", "must name at least one split, and never test (it is kept for the final report)")
         if self.val_texts < 1:
             self._fail("val_texts", "must be at least 1")
-        if not 1 <= self.generator_layers <= MAX_DEPTH:
-            self._fail("generator_layers", f"must be between 1 and {MAX_DEPTH:,}")
-        if not self.detection_weight > 0:
-            self._fail("detection_weight", "must be positive")
-        if self.shard_texts < 1:
-            self._fail("shard_texts", "must be at least 1")
         if self.window != 0 and self.window < 2:
             self._fail("window", "must be 0 (whole texts) or at least 2 tokens")
-        defaults = PretrainConfig.__dataclass_fields__
-        unused = {"generator_layers": "electra", "detection_weight": "electra", "mask_prob": "mlm or electra",
-                  "window": "mlm or electra"}
-        for name, objectives in unused.items():
-            if self.objective not in objectives.split(" or ") and getattr(self, name) != defaults[name].default:
-                self._fail(name, f"is for pretrain.objective = {objectives}, not {self.objective!r}: leave it at "
-                                 f"its default, {defaults[name].default!r}")
 
 
 def check_device_and_precision(device: str, precision: str | None) -> None:
@@ -392,18 +333,32 @@ class Config:
         return Config.from_dict(d)
 
 
-# Fields added after runs were first saved, with the value that reproduces what older runs did.
-LEGACY_VALUES = {("model", "ngram_buckets"): 0, ("model", "ngram_order"): 2, ("model", "ngram_binary"): False,
-                 ("model", "ngram_own_loss"): False, ("data", "val_block"): 1, ("data", "val_split"): "",
-                 ("train", "calibrate"): False, ("model", "ff"): "gelu"}
+# Fields that runs saved by earlier versions may carry, with the value at which this version behaves the same.
+REMOVED_FIELDS = {
+    ("model", "attention"): None, ("model", "attn_dropout"): 0.0, ("model", "ngram_buckets"): 0,
+    ("model", "ngram_order"): None, ("model", "ngram_lr_scale"): None, ("model", "ngram_binary"): None,
+    ("model", "ngram_own_loss"): None, ("model", "lazy_embeddings"): False, ("data", "val_block"): 1,
+    ("data", "tokenizer"): "wordpiece", ("data", "lowercase"): True, ("data", "cache_dir"): None,
+    ("train", "beta1"): 0.9, ("train", "min_lr_ratio"): 0.0, ("train", "label_smoothing"): 0.0,
+    ("train", "adversarial_eps"): 0.0, ("train", "virtual_adversarial_eps"): 0.0, ("train", "compile"): None,
+    ("train", "calibrate"): None, ("train", "keep_checkpoints"): None, ("train", "max_bad_steps"): None,
+    ("pretrain", "objective"): "mlm", ("pretrain", "generator_layers"): None,
+    ("pretrain", "detection_weight"): None, ("pretrain", "shard_texts"): None,
+}  # None: any value (a setting of speed or bookkeeping only)
 
 
-def with_legacy_values(saved: dict[str, Any]) -> dict[str, Any]:
-    """A saved run's config sections with the fields it predates filled in as it behaved."""
+def saved_config(saved: dict[str, Any], path: Path | str) -> dict[str, Any]:
+    """A run's saved config sections without the fields this version no longer has. A field whose saved
+    value made the model or its training differ from what this version does is refused, naming it."""
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in saved.items()}
-    for (section, key), value in LEGACY_VALUES.items():
-        if isinstance(out.get(section), dict):
-            out[section].setdefault(key, value)
+    for (section, key), same in REMOVED_FIELDS.items():
+        values = out.get(section)
+        if not isinstance(values, dict) or key not in values:
+            continue
+        value = values.pop(key)
+        if same is not None and value != same:
+            raise TfmError(f"'{path}' was made with {section}.{key} = {value!r}, which this version of tfm no longer "
+                           "has; train it again with this version, or use the version that made it")
     return out
 
 
@@ -500,25 +455,18 @@ FORMAT_VERSION = 1  # of a run's config.json
 # the encoder learnt a table of that many positions; rotary or sinusoidal positions hold no table, so the
 # classifier may read longer (or shorter) reviews than the encoder's setting, which is then only its default.
 ENCODER_FIELDS = {"model": ("d_model", "n_heads", "n_layers", "ff_mult", "ff", "norm", "pos_emb"),
-                  "data": ("tokenizer", "vocab_size", "lowercase", "max_length")}
+                  "data": ("vocab_size", "max_length")}
 TABLE_FIELDS = {("data", "max_length")}  # ENCODER_FIELDS fixed only with model.pos_emb = "learned"
-_NGRAM = "the classifier's n-gram path"
 _HELD_OUT = "the classifier's validation data; pretraining holds out pretrain.val_texts texts"
-_LOSS = "it shapes the classifier's loss"
 # The settings only `tfm train` reads, with what they are for; `tfm pretrain` refuses any of them that differs from
 # its default.
 CLASSIFIER_ONLY = {
-    "model.ngram_buckets": _NGRAM, "model.ngram_order": _NGRAM, "model.ngram_lr_scale": _NGRAM,
-    "model.ngram_binary": _NGRAM, "model.ngram_own_loss": _NGRAM,
-    "model.lazy_embeddings": "sparse embedding updates; the masked-LM head reads the whole embedding table",
     "data.label_column": "the labels, which pretraining never reads",
-    "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT, "data.val_block": _HELD_OUT,
+    "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT,
     "data.max_eval_samples": "the classifier's validation and test sets",
     "data.train_max_length": "the classifier's training reviews; pretraining cuts windows of pretrain.window tokens",
     "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
-    "train.label_smoothing": _LOSS, "train.adversarial_eps": _LOSS, "train.virtual_adversarial_eps": _LOSS,
     "train.test_at_end": "the test split, which pretraining never reads",
-    "train.calibrate": "the classifier's probabilities",
     "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
 }
 # Classifier-only too, but a recipe file shared by both commands may set them: refused on `tfm pretrain`'s command line.
@@ -563,7 +511,7 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         version = saved.get("format_version") if isinstance(saved, dict) else None
         raise TfmError(f"'{path}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
-    saved = with_legacy_values(saved)
+    saved = saved_config(saved, path)
     if not (folder / "tokenizer.json").is_file():  # another tokenizer's ids would index the wrong embedding rows
         raise TfmError(f"--init-from '{init}' has no tokenizer.json, which its encoder's token ids belong to; "
                        "pass the whole output directory of `tfm pretrain`")

@@ -1,27 +1,14 @@
-"""Inference and metrics: loading a trained model, validation during training, `tfm evaluate`
-and `tfm predict`.
+"""Inference and metrics: loading a trained model, validation during training, `tfm evaluate`, `tfm predict`.
 
-Batching: examples are sorted by length, so that a batch holds reviews of similar length and
-little padding, and cut into batches of at most `batch_size` reviews. On the CPU a batch also
-holds at most `CPU_TOKENS_PER_THREAD` tokens per torch thread (reviews x longest review, before
-`collate` rounds the width up), so that its activations stay in the core's caches, and the cuts
-are placed where padding plus a forward pass's own cost is least (`batch_plan`). Where the bf16
-attention kernel runs, a pass instead holds its texts end to end with no padding (`packs`,
-`pack_plan`: passes of even work), which a few texts of scattered lengths gain most from. The CPU's
-torch threads are split between up to `CPU_WORKERS` workers, each running whole batches on its
-share, rather than all threads sharing each small operation; the cap keeps the workers' Python
-work, serialised by the GIL, small beside their batches on many cores. Logits are gathered in
-input order into one tensor, and loss, confusion matrix and probabilities are computed from it once.
+Batching: examples are sorted by length, so that a batch holds reviews of similar length and little
+padding, and cut into batches of at most `batch_size` reviews and, on a CPU, at most CPU_BATCH_TOKENS
+padded tokens per torch thread. Logits are gathered in input order into one tensor, and loss, confusion
+matrix and probabilities are computed from it once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import math
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +16,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformer_cli import kernels
 from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
 from transformer_cli.checkpoint import (
     CONFIG_FILE,
@@ -39,194 +25,32 @@ from transformer_cli.checkpoint import (
     read_tokenizer,
     refuse_pretrained_encoder,
 )
-from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, with_legacy_values
-from transformer_cli.data import (
-    PAD_ID,
-    PAD_MULTIPLE,
-    Encoded,
-    collate,
-    collate_packed,
-    encode_texts,
-    local_paths,
-    prepare_eval_data,
-)
+from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, saved_config
+from transformer_cli.data import Encoded, collate, encode_texts, length_batches, local_paths, prepare_eval_data
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
-from transformer_cli.model import CTransformer, Packed
-from transformer_cli.runtime import Runtime, keep_freed_memory, make_runtime, resolve_precision
+from transformer_cli.model import CTransformer
+from transformer_cli.runtime import Runtime, make_runtime, resolve_precision
 
-CPU_TOKENS_PER_THREAD = 4096  # padded tokens (reviews x longest review) per forward pass and CPU thread
-BATCH_CALL_TOKENS = 256  # a forward pass's own cost (Python, dispatch) in padded tokens' worth of work
-CPU_WORKERS = 4  # at most this many workers share the CPU's torch threads (1: all threads share each op)
+CPU_BATCH_TOKENS = 4096  # padded tokens (reviews x longest review) per forward pass and torch thread on a CPU
 
 
-def cpu_workers() -> tuple[int, int]:
-    """(workers, torch threads per worker): as many workers as the cap allows, threads shared evenly."""
-    threads = torch.get_num_threads()
-    per_worker = -(-threads // max(1, CPU_WORKERS))  # ceil
-    return threads // per_worker, per_worker
-
-
-def cpu_batch_tokens() -> int:
-    return CPU_TOKENS_PER_THREAD * cpu_workers()[1]
-
-
-def packs(model, rt: Runtime) -> bool:
-    """Whether `batched_logits` runs `model` on packed texts (`CTransformer.packed_logits`, no padding): where
-    its attention is the hand-written kernel, which takes them as they are (bf16 inference on a CPU with
-    AVX-512 BF16, `attention = "auto"`, a head size it has). Elsewhere attention would pad each pass again,
-    and the padded batches of `batch_plan` are as cheap."""
-    if not isinstance(model, CTransformer):
-        return False
-    cfg = model.cfg
-    return (cfg.attention == "auto" and cfg.d_model // cfg.n_heads in kernels.HEAD_SIZES and rt.device.type == "cpu"
-            and rt.amp_dtype is torch.bfloat16 and kernels.available())
-
-
-def _plan(lengths: np.ndarray, batch_size: int, rt: Runtime, model) -> list[np.ndarray]:
-    if packs(model, rt):
-        return pack_plan(lengths, batch_size, cpu_batch_tokens(), cpu_workers()[0], attention_length(model))
-    return batch_plan(lengths, batch_size, cpu_batch_tokens() if rt.device.type == "cpu" else None)
-
-
-def attention_length(model: CTransformer) -> float:
-    """The text length at which a token's attention has the FLOPs of the rest of its layer (4 T C against
-    24 C^2 with a feed-forward layer 4 C wide): beyond it attention is most of a text's work."""
-    return 6 * model.cfg.d_model
-
-
-def text_work(lengths: np.ndarray, attention_length: float = math.inf) -> np.ndarray:
-    """A packed text's work in tokens' worth: L (1 + L / attention_length) for L tokens."""
-    lengths = lengths.astype(np.float64)
-    return lengths * (1 + lengths / attention_length)
-
-
-def pack_plan(lengths: np.ndarray, batch_size: int, max_tokens: int, parts: int = 1,
-              attention_length: float = math.inf) -> list[np.ndarray]:
-    """Indices sorted by length (stable), cut into passes of packed texts, of about `max_tokens` tokens and at
-    most `batch_size` texts, and of even work (`text_work`: attention grows with a text's length). The
-    number of passes is the tokens over `max_tokens` rounded to the nearest, not up, as long as a pass
-    holds on average at most `max_tokens` plus the longest text: a few texts just over a budget go in
-    one pass rather than two half ones, each with a pass's own cost (docs/experiments.md#evaluation-speed).
-    Where there are enough texts the number of passes is a multiple of `parts`, so that as many
-    workers get even shares: 32 reviews on 2 workers make 2 or 4 passes of equal work."""
-    order = np.argsort(lengths, kind="stable")
-    n = len(order)
-    if n == 0:
-        return []
-    total, max_tokens = int(lengths.sum()), max(max_tokens, 1)
-    k = max(int(total / max_tokens + 0.5), -(-total // (max_tokens + int(lengths.max()))), 1)
-    k = min(n, -(-k // parts) * parts)
-    work = np.cumsum(text_work(lengths[order], attention_length))  # up to and including each text
-    # a pass ends with the text that brings it to its share of the work
-    cuts = np.unique(np.searchsorted(work, work[-1] * np.arange(1, k) / k) + 1)
-    cuts = [0, *cuts[(cuts > 0) & (cuts < n)].tolist(), n]
-    return [order[i:j][r : r + batch_size] for i, j in itertools.pairwise(cuts) for r in range(0, j - i, batch_size)]
-
-
-def batch_plan(lengths: np.ndarray, batch_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
-    """Indices sorted by length (stable), cut into batches of at most `batch_size` rows. Without
-    `max_tokens`: batches of exactly `batch_size` (the last one shorter). With it (the CPU): at most
-    `max_tokens` padded tokens a batch (a single longer row gets a batch of its own), cut where the
-    padded tokens plus BATCH_CALL_TOKENS a batch add up to the least. A few reviews of scattered
-    lengths, as `tfm serve` gets them, then go in several short batches rather than one padded to the
-    longest review; on a whole split, where neighbours have nearly equal lengths, the batches come out
-    nearly as full as the limits allow."""
-    order = np.argsort(lengths, kind="stable")
-    if not max_tokens:
-        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    s = lengths[order]
-    n = len(s)
-    batch_size = min(batch_size, max(n, 1))  # no batch has more rows than there are: the work is O(n), not O(batch_size)
-    cost = np.zeros(n + 1)  # cost[j]: of the best plan for the j shortest rows
-    start = np.zeros(n + 1, dtype=np.int64)  # where that plan's last batch starts
-    rows = np.arange(1, batch_size + 1)
-    for j, longest in enumerate(s.tolist(), 1):  # the last batch: rows j - k .. j - 1, padded to `longest`
-        most = max(1, min(batch_size, j, max_tokens // max(longest, 1)))
-        total = cost[j - most : j][::-1] + rows[:most] * longest  # (most,): for k = 1 .. most
-        k = int(np.argmin(total)) + 1
-        cost[j], start[j] = total[k - 1] + BATCH_CALL_TOKENS, j - k
-    cuts = [n]
-    while cuts[-1] > 0:
-        cuts.append(int(start[cuts[-1]]))
-    return [order[i:j] for i, j in itertools.pairwise(reversed(cuts))]
-
-
-def batches_for(model, enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
-    """This rank's batches of `enc` as `batched_logits` runs them on `model`: under DDP each rank takes
-    every world_size-th one."""
-    return _plan(enc.lengths, batch_size, rt, model)[rt.rank :: rt.world_size]
+def batches_for(enc: Encoded, batch_size: int, rt: Runtime) -> list[np.ndarray]:
+    """This rank's batches of `enc`, sorted by length: under DDP each rank takes every world_size-th one."""
+    max_tokens = CPU_BATCH_TOKENS * torch.get_num_threads() if rt.device.type == "cpu" else None
+    return length_batches(enc.lengths, batch_size, max_tokens)[rt.rank :: rt.world_size]
 
 
 def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, num_labels: int) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits on the CPU, in the order of `enc`; rows of examples in no
     batch stay zero. The model must be in eval mode."""
-
-    packed = packs(model, rt)
-
-    def forward(idx: np.ndarray) -> torch.Tensor:
-        with torch.inference_mode():  # thread-local, as autocast is: entered in the worker
-            if packed:
-                ids, offsets = collate_packed(enc, idx)
-                packed_texts = Packed(*rt.tensors(offsets), int(np.diff(offsets).max()))
-                with rt.autocast():
-                    return model.packed_logits(*rt.tensors(ids), packed_texts).float()[: len(idx)].cpu()
+    out = torch.zeros(len(enc), num_labels)
+    with torch.inference_mode():
+        for idx in batches:
             ids, mask, _ = rt.tensors(*collate(enc, idx))
             with rt.autocast():
-                return model(ids, mask).float().cpu()
-
-    def cost(idx: np.ndarray) -> float:  # a pass's work, as the plan weighs it
-        if packed:
-            return float(text_work(enc.lengths[idx], attention_length(model)).sum())
-        return len(idx) * int(enc.lengths[idx].max())
-
-    workers, per_worker = cpu_workers() if rt.device.type == "cpu" else (1, 0)
-    if workers > 1 and len(batches) > 1:
-        # the largest batches first, so that the workers end together (longest processing time first)
-        batches = sorted(batches, key=lambda idx: -cost(idx))
-        with torch_threads(per_worker):
-            futures = [worker_pool(workers, per_worker).submit(forward, idx) for idx in batches]
-            try:
-                results = [f.result() for f in futures]
-            finally:  # on an error or Ctrl-C, batches not started yet are dropped, not run
-                for f in futures:
-                    f.cancel()
-    else:
-        # a lone packed pass (a call of one review, or a few short ones) runs here on one worker's threads:
-        # with each operation shared between all threads it took twice as long, and handing it to a worker
-        # added a hand-off between threads to each call (docs/experiments.md). A lone padded batch still
-        # runs faster on all threads.
-        with torch_threads(per_worker if packed and workers > 1 else torch.get_num_threads()):
-            results = [forward(idx) for idx in batches]
-    out = torch.zeros(len(enc), num_labels)
-    for idx, logits in zip(batches, results):
-        out[torch.from_numpy(idx)] = logits
+                out[torch.from_numpy(idx)] = model(ids, mask).float().cpu()
     return out
-
-
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
-os.register_at_fork(after_in_child=_pools.clear)  # a forked child has none of the parent's threads
-
-
-def worker_pool(workers: int, per_worker: int) -> ThreadPoolExecutor:
-    """The process's pool of `workers` threads with `per_worker` torch threads each (torch's thread
-    count is per thread: each worker sets its own), made on first use and kept for later calls."""
-    pool = _pools.get((workers, per_worker))
-    if pool is None:
-        pool = _pools[workers, per_worker] = ThreadPoolExecutor(
-            workers, thread_name_prefix="tfm-eval", initializer=torch.set_num_threads, initargs=(per_worker,))
-    return pool
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's intra-op thread count set to n inside, and restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
@@ -239,7 +63,7 @@ def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    batches = batches_for(model, enc, batch_size, rt)
+    batches = batches_for(enc, batch_size, rt)
     try:
         if logits is None:
             logits = batched_logits(model, enc, batches, rt, num_labels)
@@ -265,7 +89,7 @@ def all_logits(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: in
     was_training = model.training
     model.eval()
     try:
-        logits = batched_logits(model, enc, batches_for(model, enc, batch_size, rt), rt, num_labels)
+        logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, num_labels)
     finally:
         model.train(was_training)
     if rt.distributed:  # each row is non-zero on one rank only: the sum gathers them
@@ -325,7 +149,7 @@ def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncatio
     in eval mode."""
     ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    logits = batched_logits(model, enc, _plan(enc.lengths, batch_size, rt, model), rt, model.head.out_features)
+    logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, model.head.out_features)
     return softmax(logits, temperature)
 
 
@@ -366,8 +190,9 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
     if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
         version = meta.get("format_version") if isinstance(meta, dict) else None
         raise TfmError(f"'{out / CONFIG_FILE}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    saved = saved_config(meta, out / CONFIG_FILE)
     try:
-        cfg = Config.from_dict(with_legacy_values({k: meta[k] for k in ("model", "data", "train")}))
+        cfg = Config.from_dict({k: saved[k] for k in ("model", "data", "train")})
         labels, vocab_size = meta["labels"], int(meta["vocab_size"])
         if not (isinstance(labels, list) and len(labels) >= 2 and all(isinstance(x, str) for x in labels)
                 and len(set(labels)) == len(labels)):
@@ -391,12 +216,9 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
 
 def load_for_inference(model_dir: str | Path, device: str, precision: str | None) -> Loaded:
     """A `tfm train` output directory with the runtime to run it on. `precision` None: fp32 for a run
-    trained in fp32, else "auto" (this machine's mixed precision, if it has one). On the CPU, the process's
-    malloc keeps freed memory from then on (runtime.keep_freed_memory)."""
+    trained in fp32, else "auto" (this machine's mixed precision, if it has one)."""
     check_device_and_precision(device, precision)
     rt = make_runtime(device, "fp32")
-    if rt.device.type == "cpu":
-        keep_freed_memory()
     loaded = Loaded(rt, *load_model_dir(model_dir, rt.device))
     if precision is None:
         precision = "fp32" if loaded.cfg.train.precision == "fp32" else "auto"
@@ -428,30 +250,9 @@ def predict_loaded(loaded: Loaded, texts: list[str], batch_size: int = 64) -> li
     ]
 
 
-WARM_TEXT_TOKENS = 256  # the length of warm_up's texts: short ones keep its attention cheap
-
-
 def warm_up(loaded: Loaded, batch_size: int = 64) -> None:
-    """Pay a fresh process's first-call costs before the first request (`tfm serve`): one prediction
-    and, where passes are packed, one pass of each width that a pass of up to cpu_batch_tokens() plus
-    a longest review has (multiples of PAD_MULTIPLE). oneDNN builds its matmul kernels for each new
-    width the first time it meets it, which made that pass take about twice as long; a server that met
-    them among its first requests answered those far slower (docs/serving.md)."""
-    rt, model, cfg = loaded.rt, loaded.model, loaded.cfg
+    """Pay a fresh process's first-call costs before the first request (`tfm serve`): one prediction."""
     predict_loaded(loaded, ["warm-up"], batch_size)
-    if not packs(model, rt):
-        return  # padded batches have too many shapes (rows x width) to sweep
-    longest = min(cfg.data.max_length, WARM_TEXT_TOKENS)
-    widths = range(PAD_MULTIPLE, cpu_batch_tokens() + cfg.data.max_length + 1, PAD_MULTIPLE)
-    lengths, plan = [], []
-    for width in widths:  # a pass of `width` tokens: texts of at most `longest` tokens, of near-equal lengths
-        k = -(-width // longest)
-        plan.append(np.arange(len(lengths), len(lengths) + k))
-        lengths += [width // k + (i < width % k) for i in range(k)]
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    texts = Encoded(np.full(int(offsets[-1]), PAD_ID, dtype=np.int32), offsets, np.zeros(len(lengths), dtype=np.int64))
-    batched_logits(model, texts, plan, rt, len(loaded.labels))
 
 
 def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: str = "test",

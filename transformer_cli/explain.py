@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import html
 import itertools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from transformer_cli.checkpoint import CONFIG_FILE
 from transformer_cli.data import CONTINUATION, PAD_ID, encode_texts
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
@@ -78,8 +76,6 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_
     `temperature` (its calibration) before the softmax."""
     if steps < 1:
         raise TfmError(f"integrated gradients need at least 1 step, not {steps}")
-    if getattr(model, "ngrams", None) is not None:  # its scores would not follow the path: the integral misses them
-        raise TfmError(NGRAM_PATH)
     device = next(model.parameters()).device
     ids = ids.to(device)[None]  # (1, T)
     baseline = ids.clone()
@@ -115,21 +111,6 @@ def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int = I
     attr, delta = integrated_gradients(model, ids, target, steps, temperature)
     tokens = [tokenizer.id_to_token(int(i)) for i in ids[1:]]
     return Explained(tokens, [float(a) for a in attr[1:]], delta, cut)
-
-
-NGRAM_PATH = ("explanations need the transformer alone; this model adds an n-gram path (model.ngram_buckets > 0), "
-              "whose scores do not go through the token embeddings: explain a model trained without it")
-
-
-def refuse_ngram_path(model_dir: str | Path) -> None:
-    """NGRAM_PATH's error before any review is read or predicted, where config.json says so (a missing or
-    damaged one is load_model_dir's to name)."""
-    try:
-        model = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, AttributeError):
-        return
-    if isinstance(model, dict) and model.get("ngram_buckets"):
-        raise TfmError(NGRAM_PATH)
 
 
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",

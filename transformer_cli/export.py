@@ -4,9 +4,8 @@ The graph takes `ids` (batch, length) int64, each row [CLS] followed by the text
 subword ids and [PAD] after them, and `mask` (batch, length) bool, True at real tokens; both axes
 are dynamic (length up to the model's max_length). It returns `logits` (batch, num_labels) float32,
 already divided by the model's calibration temperature: their softmax is `tfm predict`'s
-probabilities. It is traced from the model's reference path
-(attention "explicit": plain matmuls and a masked softmax), not from the fused or hand-written
-kernels that inference may pick, and checked against the loaded model before it is written.
+probabilities. It is traced from the model's reference attention (plain matmuls and a masked
+softmax), not from the fused kernel, and checked against the loaded model before it is written.
 
 What a caller needs to build the inputs travels with the file: the tokenizer is written beside it
 as NAME.tokenizer.json, and the ONNX model's metadata_props hold (all strings) `tfm.labels` (a
@@ -18,7 +17,6 @@ tokenizer file's name), `tfm.cls_id`, `tfm.pad_id`, `tfm.temperature` (already i
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -31,11 +29,11 @@ import torch
 from transformer_cli import __version__
 from transformer_cli.calibration import softmax
 from transformer_cli.checkpoint import read_tokenizer
-from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts
+from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts, length_batches
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import batch_plan, load_model_dir
+from transformer_cli.evaluate import load_model_dir
 from transformer_cli.fileio import atomic_write_together, check_output_path
-from transformer_cli.model import CTransformer
+from transformer_cli.model import CTransformer, SelfAttention
 
 INPUTS, OUTPUT = ("ids", "mask"), "logits"
 CHECK_ATOL = 1e-4  # largest logit difference between the file (onnxruntime) and the loaded model accepted
@@ -70,10 +68,12 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
 
 def reference_model(model: CTransformer) -> CTransformer:
     """A copy of `model` (same weights, eval mode) whose attention takes the reference path."""
-    cfg = dataclasses.replace(model.cfg, attention="explicit")
     emb = model.encoder.tok_emb
-    ref = CTransformer(cfg, emb.num_embeddings, model.encoder.max_length, model.head.out_features)
+    ref = CTransformer(model.cfg, emb.num_embeddings, model.encoder.max_length, model.head.out_features)
     ref.load_state_dict(model.state_dict())
+    for m in ref.modules():
+        if isinstance(m, SelfAttention):
+            m.fused = False
     return ref.eval()
 
 
@@ -192,7 +192,7 @@ class OnnxClassifier:
         """(N, num_labels) probabilities in the order of `texts`, batched by length as predict batches."""
         enc = self.encode(texts)
         out = np.zeros((len(texts), len(self.labels)), dtype=np.float64)
-        for idx in batch_plan(enc.lengths, batch_size):
+        for idx in length_batches(enc.lengths, batch_size):
             ids, mask, _ = collate(enc, idx)
             out[idx] = softmax(self.logits(ids, mask))  # as predict_proba (the graph divides by the temperature)
         return out

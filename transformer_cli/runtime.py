@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 from dataclasses import dataclass
 
@@ -98,25 +97,6 @@ def cpu_has_fast_bf16() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-HEAP_BLOCKS = 32 << 20  # blocks up to this size come from the heap: glibc's own largest mmap threshold
-HEAP_KEEP = 256 << 20  # free memory at the heap's top up to this size stays mapped for the next pass
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep the memory a forward pass frees, for the next pass to reuse. By default it
-    maps large blocks afresh and hands the heap's free top back to the kernel, so that a pass of CPU
-    inference faulted its activations in again: in `tfm serve`, about a tenth of its workers' CPU time
-    (docs/experiments.md#evaluation-speed). Process-wide, and for the process's life; True where it
-    applied (glibc), False elsewhere."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, TypeError):  # not glibc (macOS; Windows has no CDLL(None))
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS) and mallopt(M_TRIM_THRESHOLD, HEAP_KEEP))
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:

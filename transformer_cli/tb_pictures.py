@@ -18,7 +18,7 @@ import torch
 from transformer_cli.calibration import softmax
 from transformer_cli.data import Encoded
 from transformer_cli.explain import cut_positions, shown_text
-from transformer_cli.model import explicit_attention, rotate_qk, split_heads
+from transformer_cli.model import explicit_attention
 from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array, short
 
 WRONG_SHOWN = 10  # reviews in the confidently-wrong panel
@@ -89,10 +89,7 @@ def attention_maps(model, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.T
     def capture(attn, args) -> None:
         x, m, *rope = args  # rope: the rotary angles, where the model has them
         B, T, _ = x.shape
-        qkv = attn.qkv(x)  # (B, T, 3C)
-        if rope and rope[0] is not None:
-            qkv = rotate_qk(qkv, attn.n_heads, rope[0])  # (B, T, 3C)
-        q, k, _ = split_heads(qkv, attn.n_heads)  # (B, H, T, Dh) each
+        q, k, _ = attn.heads(x, rope[0] if rope else None)  # (B, H, T, Dh) each
         eye = torch.eye(T, dtype=q.dtype, device=q.device).expand(B, attn.n_heads, T, T)  # (B, H, T, T)
         maps.append(explicit_attention(q, k, eye, m[:, None, None, :]))
 

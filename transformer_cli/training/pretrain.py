@@ -1,6 +1,4 @@
-"""`tfm pretrain`: self-supervised pretraining of the encoder on unlabelled text, by masked-language
-modelling (BERT), replaced-token detection (ELECTRA), or word vectors for its token embedding alone
-(word2vec's skip-gram).
+"""`tfm pretrain`: masked-language-model pretraining (BERT's objective) of the encoder on unlabelled text.
 
 The text (by default IMDB's `unsupervised` and `train` reviews; labels are never read, `test` never
 opened) is read from `datasets`' memory-mapped Arrow tables a chunk at a time: the tokenizer is
@@ -8,7 +6,7 @@ trained on it as a stream, and the token ids are written chunk by chunk into one
 memory-maps. So a corpus larger than memory is never held in it. The run itself goes through
 train.py's machinery: the same step, loop, checkpoints, resume, signals, DDP and precision.
 
-Output directory: model.safetensors (the encoder and its objective's heads, best by held-out loss),
+Output directory: model.safetensors (the encoder and its masked-LM head, best by held-out loss),
 config.json, tokenizer.json, metrics.json, TensorBoard events, checkpoints/. `tfm train
 --init-from DIR` starts a classifier from its encoder and tokenizer.
 """
@@ -29,47 +27,38 @@ import torch
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import CLASSIFIER_ONLY, Config, PretrainConfig
 from transformer_cli.data import (
-    CLS_ID,
-    SPECIAL_TOKENS,
     Encoded,
     cache_key,
     cached_tokenizer,
     collate,
     encode_texts,
+    length_batches,
     open_text_source,
     text_chunks,
     unread_split_hint,
 )
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import batch_plan
 from transformer_cli.fileio import cache_dir, write_json
-from transformer_cli.model import Electra, MaskedLM, SkipGram
+from transformer_cli.model import MaskedLM
 from transformer_cli.runtime import Runtime, make_runtime
-from transformer_cli.train import (
-    Batch,
-    Logger,
-    Run,
+from transformer_cli.tokens import CLS_ID, MASK_ID, SPECIAL_TOKENS
+from transformer_cli.training.loop import Batch, Logger, Run, selection_score
+from transformer_cli.training.run import (
     begin,
     build_run,
     load_tokenizer,
     on_every_rank,
     run_metrics,
     run_to_end,
-    selection_score,
 )
 
-MASK_ID = SPECIAL_TOKENS.index("[MASK]")
-# Held-out windows per validation batch (at most 16,384 tokens). Fixed: the masks and ELECTRA's samples
-# are drawn batch by batch, so another batching (train.eval_batch_size, free to change on resume)
-# would validate on other masks.
+# Held-out windows per validation batch (at most 16,384 tokens). Fixed: the masks are drawn batch by batch, so
+# another batching (train.eval_batch_size, free to change on resume) would validate on other masks.
 VAL_BATCH = 256
+SHARD_TEXTS = 8192  # texts tokenized at a time into the memory-mapped token file
 FIRST_WORD_ID = len(SPECIAL_TOKENS)  # random replacements are drawn from the words, not the special tokens
 CORPUS_VERSION = 1  # in the token file's cache key
 PRETRAIN_METRICS = (None, "loss", "accuracy")  # what train.select_metric may be here (None: the loss)
-# word2vec's skip-gram settings (its defaults, with its recommended subsampling threshold for large corpora)
-CONTEXT = 5  # a word pairs with words at most this many places either side
-NEGATIVES = 5  # random words each pair is told from
-SUBSAMPLE = 1e-4  # frequent words are kept with probability about sqrt(SUBSAMPLE / frequency)
 
 
 # --------------------------------------------------------------------------- text
@@ -121,7 +110,7 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     lines = any(is_lines(t) for t in tables)  # a .txt file's blank lines separate texts: they are none
 
     def chunks() -> Iterator[list[str]]:  # a new pass over the text
-        return text_chunks(tables, d.text_column, pc.shard_texts, d.max_train_samples, skip_blank=lines)
+        return text_chunks(tables, d.text_column, SHARD_TEXTS, d.max_train_samples, skip_blank=lines)
 
     class Texts:  # every text, from the start on each iter(): the tokenizer trainer reads them twice
         def __iter__(self) -> Iterator[str]:
@@ -144,7 +133,7 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     if tokenizer.get_vocab_size() <= FIRST_WORD_ID:  # masking draws its random words from the others
         raise TfmError(f"'{d.source}' has no words: its texts gave a vocabulary of the special tokens alone "
                        f"({', '.join(SPECIAL_TOKENS)}); pretrain on a corpus of text")
-    folder = cache_dir(d.cache_dir)
+    folder = cache_dir()
     key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
     if texts is None:
@@ -257,6 +246,9 @@ class PretrainingTask:
         loss, stats = engine(*batch.tensors)
         return loss, {"loss": loss.detach(), **stats}
 
+    def log_pictures(self, writer, step: int, metrics: dict, data_cfg) -> None:
+        pass  # the classifier's pictures only
+
     def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
         """(the model's tensors, the units its figures are means over, real tokens) of each held-out batch."""
         raise NotImplementedError
@@ -268,9 +260,7 @@ class PretrainingTask:
         model.eval()
         sums: dict[str, float] = {}
         count = real = 0
-        per_token = getattr(model, "per_token_stats", ())  # ELECTRA's detection figures: means over real tokens
-        # Electra's samples are drawn from a fixed seed too, on a copy of the RNG state: training's draws go on as
-        # if there had been no validation
+        # drawn from a fixed seed, on a copy of the RNG state: training's draws go on as if there had been none
         gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
         with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
             torch.manual_seed(0)
@@ -279,23 +269,20 @@ class PretrainingTask:
                     with rt.autocast():
                         loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
                     for name, value in {"loss": loss, **stats}.items():  # each batch's means weighted by their units
-                        sums[name] = sums.get(name, 0.0) + value.item() * (tokens if name in per_token else n)
+                        sums[name] = sums.get(name, 0.0) + value.item() * n
                     count, real = count + n, real + tokens
             finally:
                 model.train(was_training)
         if count == 0:
             raise TfmError("the held-out texts give the objective nothing to predict; hold out more texts with "
                            "pretrain.val_texts")
-        m = {name: total / (real if name in per_token else count) for name, total in sums.items()}
-        if per_token:  # its parts pool over different tokens: the objective is of the pooled parts
-            m["loss"] = model.objective_of(m)
+        m = {name: total / count for name, total in sums.items()}
         tags = {f"pretrain_val/{k}": v for k, v in m.items()}
         return {**m, self.count_name: count}, tags, selection_score(m, self.select_metric)
 
 
 class MaskedLanguageModelling(PretrainingTask):
-    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM)
-    or to detect the generator's replacements of them (Electra). Validated on the held-out texts with
+    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM). Validated on the held-out texts with
     the same masks and samples every time, so that its figures compare across steps.
 
     With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
@@ -334,84 +321,9 @@ class MaskedLanguageModelling(PretrainingTask):
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
     def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
-        for idx in batch_plan(self.val.lengths, VAL_BATCH, 16384):
+        for idx in length_batches(self.val.lengths, VAL_BATCH, 16384):
             tensors, tokens = self._masked(self.val, idx, self.val_starts, generator)
             yield tensors, len(tensors[3]), tokens
-
-
-def token_counts(texts: Encoded, exclude: np.ndarray, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
-    """(V,) occurrences of each token id in the texts but those at `exclude`, read a chunk at a time
-    (the ids may be a memory-mapped file larger than memory)."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for start in range(0, len(texts.ids), chunk):
-        counts += np.bincount(texts.ids[start : start + chunk], minlength=vocab_size)[:vocab_size]
-    for i in exclude:
-        counts -= np.bincount(texts.ids[texts.offsets[i] : texts.offsets[i + 1]], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def skipgram_pairs(ids: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, noise: torch.Tensor,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """word2vec's training pairs of a (B, T) batch: each word is kept with probability keep[id] (V,),
-    the kept words of a text close up, and each pairs with the words at most r places either side,
-    r drawn from 1..CONTEXT for each; each pair gets NEGATIVES words drawn by the `noise` (V,) weights.
-    Special tokens are no words. Returns (centers (N,), contexts (N,), negatives (N, NEGATIVES))."""
-    words = mask & (ids >= FIRST_WORD_ID)
-    kept = words & (torch.rand(ids.shape, generator=generator) < keep[ids])  # (B, T)
-    order = torch.argsort((~kept).to(torch.int8), dim=1, stable=True)  # (B, T): each row's kept words first
-    ids = ids.gather(1, order)
-    real = torch.arange(ids.shape[1]) < kept.sum(1, keepdim=True)  # (B, T)
-    reach = torch.randint(1, CONTEXT + 1, ids.shape, generator=generator)  # (B, T) each word's window
-    centers, contexts = [ids.new_zeros(0)], [ids.new_zeros(0)]
-    for o in range(1, min(CONTEXT, ids.shape[1] - 1) + 1):
-        left, right, both = ids[:, :-o], ids[:, o:], real[:, o:]  # (B, T - o) words o apart
-        forward, backward = both & (reach[:, :-o] >= o), both & (reach[:, o:] >= o)
-        centers += [left[forward], right[backward]]
-        contexts += [right[forward], left[backward]]
-    centers, contexts = torch.cat(centers), torch.cat(contexts)
-    if len(centers) == 0:
-        return centers, contexts, ids.new_zeros(0, NEGATIVES)
-    negatives = torch.multinomial(noise, len(centers) * NEGATIVES, replacement=True, generator=generator)
-    return centers, contexts, negatives.view(-1, NEGATIVES)
-
-
-class SkipGramTask(PretrainingTask):
-    """The word-vector task (`pretrain.objective = "skipgram"`, model.SkipGram): skipgram_pairs of the
-    training texts, with word2vec's subsampling of frequent words (a word of frequency f is kept with
-    probability (sqrt(f / SUBSAMPLE) + 1) * SUBSAMPLE / f) and its noise distribution (counts to the
-    power 3/4), both from the training texts' counts. Validated on the held-out texts with the same
-    pairs and noise words every time."""
-
-    count_name = "num_pairs"
-
-    def __init__(self, corpus: Corpus, vocab_size: int, select_metric: str = "loss"):
-        self.texts, self.train_idx, self.val_idx = corpus.texts, corpus.train_idx, corpus.val_idx
-        counts = token_counts(corpus.texts, corpus.val_idx, vocab_size).astype(np.float64)
-        counts[:FIRST_WORD_ID] = 0
-        f = counts / max(counts.sum(), 1.0)
-        with np.errstate(divide="ignore"):
-            keep = np.where(f > 0, (np.sqrt(f / SUBSAMPLE) + 1) * SUBSAMPLE / f, 1.0)
-        self.keep = torch.from_numpy(np.minimum(keep, 1.0)).float()  # (V,)
-        noise = counts**0.75
-        self.noise = torch.from_numpy(noise if noise.sum() > 0 else np.ones(vocab_size)).float()  # (V,)
-        self.select_metric = select_metric
-        self.lengths = corpus.texts.lengths[self.train_idx]
-        self.num_train, self.num_val = len(self.train_idx), len(self.val_idx)
-
-    def _pairs(self, idx: np.ndarray, generator=None) -> tuple[tuple[torch.Tensor, ...], int]:
-        ids, mask, _ = collate(self.texts, idx)
-        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
-        return skipgram_pairs(ids, mask, self.keep, self.noise, generator), int(mask.sum())
-
-    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
-        pairs, tokens = self._pairs(self.train_idx[idx])
-        return Batch(rt.tensors(*(t.numpy() for t in pairs)), max(len(pairs[0]), 1), len(idx), tokens)
-
-    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
-        for idx in batch_plan(self.texts.lengths[self.val_idx], VAL_BATCH, 16384):
-            pairs, tokens = self._pairs(self.val_idx[idx], generator)
-            if len(pairs[0]):
-                yield pairs, len(pairs[0]), tokens
 
 
 # --------------------------------------------------------------------------- the command
@@ -438,24 +350,11 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     tokenizer = load_tokenizer(resume_dir.parent.parent) if resume_dir is not None else None
     corpus = on_every_rank(rt, lambda: prepare_corpus(cfg, tokenizer))
     vocab_size = corpus.tokenizer.get_vocab_size()
-    model = pretraining_model(cfg, vocab_size)
-    if cfg.pretrain.objective == "skipgram":
-        task = SkipGramTask(corpus, vocab_size, tc.select_metric or "loss")
-    else:
-        task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
+    model = MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
+    task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
                              num_texts=len(corpus.texts))
     return build_run(cfg, rt, model, task, resume_dir, force, files)
-
-
-def pretraining_model(cfg: Config, vocab_size: int) -> MaskedLM | Electra | SkipGram:
-    """The encoder with the heads of the configured objective."""
-    pc = cfg.pretrain
-    if pc.objective == "skipgram":
-        return SkipGram(cfg.model, vocab_size, cfg.data.max_length)
-    if pc.objective == "electra":
-        return Electra(cfg.model, vocab_size, cfg.data.max_length, pc.generator_layers, pc.detection_weight)
-    return MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
 
 
 def finish(run: Run, logger: Logger) -> dict:

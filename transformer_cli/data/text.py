@@ -1,0 +1,192 @@
+"""Text to token ids: the WordPiece tokenizer trained on the training texts, and encoding with truncation.
+Encoded splits are flat int32 token arrays plus offsets, cached on disk as .npz files keyed by a hash of the
+texts and every setting that changes the result, so a second run skips tokenization."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import string
+import unicodedata
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from transformer_cli.config import DataConfig
+from transformer_cli.data.sources import RawSplit
+from transformer_cli.fileio import atomic_write_bytes, atomic_write_text, cache_dir
+from transformer_cli.tokens import CLS_ID, SPECIAL_TOKENS
+
+CONTINUATION = "##"  # WordPiece's mark of a subword that continues a word
+BR_TAG = r"<br\s*/?>"  # the tokenizer's normalizer turns these tags into spaces
+MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
+TOKENIZER_VERSION = 3  # in the tokenizer cache's key; 3: WordPiece trained the same in every process
+ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
+
+
+@dataclass
+class Encoded:
+    """A split's token ids: review i is ids[offsets[i]:offsets[i+1]], starting with [CLS]."""
+
+    ids: np.ndarray  # (total_tokens,) int32
+    offsets: np.ndarray  # (N + 1,) int64
+    labels: np.ndarray  # (N,) int64
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @functools.cached_property
+    def lengths(self) -> np.ndarray:  # computed once: collate reads it for every batch
+        return np.diff(self.offsets)
+
+    @functools.cached_property
+    def longest(self) -> int:
+        return int(self.lengths.max()) if len(self) else 0
+
+    def subset(self, idx: np.ndarray) -> Encoded:
+        lengths = self.lengths[idx]
+        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        ids = np.concatenate([self.ids[self.offsets[i] : self.offsets[i + 1]] for i in idx]) if len(idx) else self.ids[:0]
+        return Encoded(ids, offsets, self.labels[idx])
+
+
+def cache_key(*parts) -> str:
+    """A short hash of JSON-able parts: names a cache entry by everything that changes its content."""
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
+    """A lowercasing WordPiece tokenizer trained on `texts` (a list or another re-iterable: it is read twice);
+    `length`: how many there are (default: len(texts)), for the trainer's progress.
+
+    The same texts and settings give the same tokenizer in every process. `tokenizers`' WordPiece
+    trainer alone does not: it numbers the "##" continuation of each character in hash-map order,
+    after the alphabet, and those numbers break ties between equally frequent merges
+    (huggingface/tokenizers#1794). Naming the alphabet in the trainer's own order (by code point)
+    and then every continuation, sorted, among the trainer's special tokens gives the numbers the
+    trainer would give had its hash map come out sorted; the tokenizer returned keeps only
+    SPECIAL_TOKENS as special.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if iter(texts) is texts:
+        raise TypeError("train_tokenizer reads the texts twice: pass a list or a re-iterable")
+    normalizer = text_normalizer()
+    alphabet = sorted(characters(texts, normalizer))
+    continuations = [CONTINUATION + c for c in alphabet if not splits_words(c)]
+    trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS + alphabet + continuations,
+                                         min_frequency=MIN_FREQUENCY, continuing_subword_prefix=CONTINUATION,
+                                         show_progress=False)
+
+    def assemble(model):
+        tok = Tokenizer(model)
+        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+        return tok
+
+    tok = assemble(models.WordPiece(unk_token="[UNK]"))
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts) if length is None else length)
+    tok = assemble(tok.model)  # the alphabet and the continuations stay in the vocabulary, as ordinary tokens
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return tok
+
+
+def text_normalizer():
+    """What a trained tokenizer does to a text before splitting it: `<br />` tags become spaces, NFKC, lowercasing."""
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([normalizers.Replace(Regex(BR_TAG), " "), normalizers.NFKC(), normalizers.Lowercase()])
+
+
+def characters(texts: Iterable[str], normalizer) -> set[str]:
+    """The characters of `texts` normalized by `normalizer`, whitespace aside. It may hold a few
+    that no text has once normalized whole (e.g. the "<" of a "<br />"): never in a word, they are
+    dead entries of a vocabulary and leave the other tokens in the order they had."""
+    seen: set[str] = set()
+    for t in texts:  # only texts that NFKC changes are normalized whole, since NFKC composes characters;
+        seen.update(t if unicodedata.is_normalized("NFKC", t) else normalizer.normalize_str(t))
+    # the rest of the normalizer (the <br> replacement, lowercasing) maps character by character
+    return {c for ch in seen for c in normalizer.normalize_str(ch) if not is_whitespace(c)}
+
+
+def is_whitespace(c: str) -> bool:
+    """Rust's char::is_whitespace, which BertPreTokenizer splits at: Python's isspace() less U+001C-U+001F."""
+    return c.isspace() and c not in "\x1c\x1d\x1e\x1f"
+
+
+def splits_words(c: str) -> bool:
+    """Whether BertPreTokenizer splits words at `c` (whitespace, punctuation): then no word continues with it."""
+    return is_whitespace(c) or c in string.punctuation or unicodedata.category(c)[0] == "P"
+
+
+def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint: str):
+    """The tokenizer trained on `texts` (n of them, re-iterable as train_tokenizer needs), or loaded
+    from the cache, where it is kept under a key of their `fingerprint` and the tokenizer settings."""
+    from tokenizers import Tokenizer
+
+    key = cache_key(fingerprint, "wordpiece", cfg.vocab_size, True, MIN_FREQUENCY, TOKENIZER_VERSION)
+    path = cache_dir() / f"tokenizer-{key}.json"
+    if path.is_file():
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception:  # noqa: BLE001, S110 (a damaged cache entry is rebuilt below)
+            pass
+    tok = train_tokenizer(texts, cfg, n)
+    try:
+        atomic_write_text(path, tok.to_str())
+    except OSError:
+        pass  # caching is an optimisation; a read-only cache dir must not stop training
+    return tok
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) -> list[int]:
+    if len(ids) <= limit:
+        return ids
+    if strategy == "head":
+        return ids[:limit]
+    head = round(limit * head_fraction)
+    return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
+
+ENCODE_CHUNK = 4096  # texts encoded at a time: memory stays bounded on any number of texts
+
+
+def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
+    """(flat int32 ids, (N + 1,) offsets): each text as [CLS] + its truncated subword ids. Special tokens'
+    text in a review ("[PAD]", "[CLS]") is encoded as words, not as those ids."""
+    tokenizer.encode_special_tokens = True
+    limit, rows = max_length - 1, []
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        for e in tokenizer.encode_batch_fast(texts[start : start + ENCODE_CHUNK], add_special_tokens=False):
+            rows.append(np.array([CLS_ID, *truncate(e.ids, limit, truncation, head_fraction)], dtype=np.int32))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
+    return ids, offsets
+
+
+def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
+    key = cache_key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
+    path = cache_dir() / f"encoded-{key}.npz"
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if len(z["offsets"]) == len(raw) + 1:
+                    return Encoded(z["ids"], z["offsets"], raw.labels)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is rebuilt below
+    ids, offsets = encode_texts(tokenizer, raw.texts, cfg.max_length, cfg.truncation, cfg.head_fraction)
+    try:
+        buf = io.BytesIO()
+        np.savez(buf, ids=ids, offsets=offsets)
+        atomic_write_bytes(path, buf.getvalue())
+    except OSError:
+        pass
+    return Encoded(ids, offsets, raw.labels)
