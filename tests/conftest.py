@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import transformer_cli  # noqa: F401  first: it sets OpenMP's spin count before a test module loads torch
-
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 # torch.compile's CPU backend builds C++ kernels; without a compiler it cannot run at all.
@@ -47,6 +45,9 @@ def pytest_configure(config):
         "HF_DATASETS_CACHE": str(root / "hf" / "datasets"),
         "TFM_CACHE": str(root / "tfm-cache"),
         "TOKENIZERS_PARALLELISM": "false",
+        # one torch thread a process: pytest-xdist's workers share the cores, and OpenMP threads that spin
+        # waiting for work would take each other's time slices (docs/training.md, threads)
+        "OMP_NUM_THREADS": "1",
     })
     os.environ.pop("TFM_DATA", None)  # the CLI reads --data from it
 
@@ -177,10 +178,15 @@ def trained_run(synthetic_data_dir, tmp_path_factory) -> tuple[Path, dict]:
 
     It keeps all its checkpoints; otherwise it is `tiny_cfg`.
     """
-    from transformer_cli.train import train
+    from transformer_cli.training import loop
+    from transformer_cli.training.classify import train
 
     out = tmp_path_factory.mktemp("trained") / "run"
-    metrics = train(tiny_config(synthetic_data_dir, out, train__keep_checkpoints=100), progress=False)
+    keep, loop.KEEP_CHECKPOINTS = loop.KEEP_CHECKPOINTS, 100
+    try:
+        metrics = train(tiny_config(synthetic_data_dir, out), progress=False)
+    finally:
+        loop.KEEP_CHECKPOINTS = keep
     return out, metrics
 
 

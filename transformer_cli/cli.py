@@ -18,7 +18,14 @@ import typer
 from typer.core import TyperGroup
 
 from transformer_cli import __version__
-from transformer_cli.config import check_command_overrides, load_config, parse_overrides, read_toml
+from transformer_cli.config import (
+    TrainConfig,
+    check_command_overrides,
+    load_config,
+    parse_overrides,
+    read_toml,
+    run_settings,
+)
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import check_output_path
 
@@ -172,15 +179,29 @@ Force = Annotated[bool, typer.Option("--force", help="On resume, accept settings
 Progress = Annotated[bool, typer.Option("--progress/--no-progress", help="Show the progress bar.")]
 
 
-def _training_config(command: str, config: Path | None, overrides: list[str] | None, options: dict[str, Any]):
+PRETRAIN_OUTPUT_DIR = "runs/pretrain"
+
+
+def _training_config(command: str, config: Path | None, overrides: list[str] | None, options: dict[str, Any],
+                     resume: bool, resume_from: Path | None):
     """The run's Config: the file, then `TFM_DATA`, then the overrides, then the options that were given.
-    An override that `command` would not use is refused."""
+    Resumed without --config, the run's own config.json stands for the file (and TFM_DATA): the run
+    directory knows how it was started. An override that `command` would not use is refused."""
     values = parse_overrides(overrides or [])
     check_command_overrides(command, values)
     values.update({k: v for k, v in options.items() if v is not None})
-    if os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data and data.source=...
+    default_out = PRETRAIN_OUTPUT_DIR if command == "pretrain" else TrainConfig.output_dir
+    base = None
+    if (resume or resume_from) and config is None:
+        out = resume_from.parent.parent if resume_from else Path(values.get("train.output_dir", default_out))
+        base = run_settings(out)
+        if base is not None:
+            values.setdefault("train.output_dir", str(out))
+    if base is None and os.environ.get("TFM_DATA") and "data.source" not in values:  # below --data, data.source=
         values["data.source"] = os.environ["TFM_DATA"]
-    return load_config(config, values)
+    if "train.output_dir" not in values and "output_dir" not in (read_toml(config) if config else {}).get("train", {}):
+        values["train.output_dir"] = default_out  # `tfm pretrain`'s default folder is not `tfm train`'s
+    return load_config(config, values, base)
 
 
 def _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
@@ -210,7 +231,7 @@ def train(
                               max_train_samples)
     options.update({"data.max_eval_samples": max_eval_samples, "train.test_at_end": True if test else None,
                     "train.init_from": None if init_from is None else str(init_from)})
-    cfg = _training_config("train", config, overrides, options)
+    cfg = _training_config("train", config, overrides, options, resume, resume_from)
     from transformer_cli.training.classify import train as run_train  # imports torch
 
     metrics = run_train(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)
@@ -231,9 +252,6 @@ def train(
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
 
 
-PRETRAIN_OUTPUT_DIR = "runs/pretrain"
-
-
 @app.command(context_settings={"allow_extra_args": False})
 def pretrain(
     overrides: Overrides = None, config: ConfigFile = None, data: Data = None, output_dir: OutputDir = None,
@@ -246,11 +264,7 @@ def pretrain(
     `tfm train --init-from` reads it."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
-    cfg = _training_config("pretrain", config, overrides, options)
-    named = output_dir is not None or "train.output_dir" in parse_overrides(overrides or []) or (
-        config is not None and "output_dir" in read_toml(config).get("train", {}))
-    if not named:  # the default folder is not `tfm train`'s
-        cfg = cfg.replace(train={"output_dir": PRETRAIN_OUTPUT_DIR})
+    cfg = _training_config("pretrain", config, overrides, options, resume, resume_from)
     from transformer_cli.training.pretrain import pretrain as run_pretrain  # imports torch
 
     metrics = run_pretrain(cfg, resume=str(resume_from) if resume_from else resume, force=force, progress=progress)

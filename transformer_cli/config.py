@@ -415,9 +415,27 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UsageError(f"config file '{path}' is not valid TOML: {e}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    d = read_toml(path) if path is not None else {}
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                base: dict[str, Any] | None = None) -> Config:
+    """The Config of a TOML recipe (or `base`, a run's saved sections; default: the built-in defaults) with
+    dotted-key overrides applied."""
+    d = read_toml(path) if path is not None else base or {}
     return Config.from_dict(with_local_paths(with_encoder_of(apply_overrides(d, overrides or {}))))
+
+
+def run_settings(folder: str | Path) -> dict[str, Any] | None:
+    """The config sections a tfm run in `folder` was started with (its config.json); None where there is none."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TfmError(f"'{path}' is unreadable ({e}); pass the run's --config and options again") from None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        return None
+    saved = saved_config(meta, path)
+    return {k: saved[k] for k in SECTIONS if isinstance(saved.get(k), dict)}
 
 
 def with_local_paths(d: dict[str, Any]) -> dict[str, Any]:

@@ -82,8 +82,9 @@ def _temp_name(path: Path) -> Path:
 
 
 def _name_the_file(e: BaseException, tmp: Path, path: Path) -> None:
-    """An OSError about temp file `tmp` made to name `path`, the file the user asked for, in its message."""
-    if isinstance(e, OSError) and e.filename == str(tmp):
+    """An OSError about temp file `tmp`, or about no file (a failed write), made to name `path`, the file the user
+    asked for."""
+    if isinstance(e, OSError) and e.filename in (None, str(tmp)):
         e.filename = str(path)
 
 
@@ -131,9 +132,9 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def cache_dir(configured: str | None = None) -> Path:
-    """Where caches go: `configured` (data.cache_dir), else $TFM_CACHE, else ~/.cache/transformer_cli."""
-    return Path(configured or os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli").expanduser()
+def cache_dir() -> Path:
+    """Where caches go: $TFM_CACHE, else ~/.cache/transformer_cli."""
+    return Path(os.environ.get("TFM_CACHE") or Path.home() / ".cache" / "transformer_cli").expanduser()
 
 
 def read_json(path: Path, what: str) -> Any:

@@ -423,6 +423,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     if total == 0:
         raise TfmError(f"{task.num_train} training examples make no full batch of {tc.batch_size}; lower --batch-size")
     micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
+    if st.step:
+        _say(f"resuming from step {st.step} of {total}", rt.is_main)
     _say(f"training {task.num_train} examples ({task.num_val} validation) for {total} steps; batch {tc.batch_size} "
          f"= {micro} x {rt.world_size} process(es) x {tc.grad_accum_steps} accumulation; {rt.device}, {rt.precision}",
          progress and rt.is_main)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import gc
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -108,6 +112,9 @@ def begin(tc: TrainConfig, rt: Runtime, resume: bool | str, pretraining: bool = 
     """What every run does first: check its output folder and batch size, find the checkpoint to
     resume from (None: a fresh run), set torch's threads and seed every generator."""
     out = Path(tc.output_dir)
+    check_output_path(out, "output directory", folder=True, hint="choose another --output-dir")
+    if rt.is_main:
+        lock_output_dir(out)
     check_output_dir(out, resume, pretraining)
     resume_dir = find_resume(out, resume)
     if resume_dir is not None:
@@ -117,6 +124,46 @@ def begin(tc: TrainConfig, rt: Runtime, resume: bool | str, pretraining: bool = 
         torch.set_num_threads(tc.num_threads)
     seed_everything(tc.seed)
     return resume_dir
+
+
+_locks: dict[Path, tuple[int, bool]] = {}  # output directory -> (its locked descriptor, whether this run made it)
+
+
+def lock_output_dir(out: Path) -> None:
+    """Hold an exclusive lock on the output directory until the run ends (release_output_dirs), made if need
+    be: a second run into it, started at the same moment or later, is refused before it writes anything."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TfmError(f"output directory '{out}' is in use by another tfm run; wait for it to end, or choose "
+                       "another --output-dir") from None
+    _locks[out] = (fd, made)
+
+
+def release_output_dirs() -> None:
+    """Release this process's output-directory locks; a directory made for a run that then wrote nothing goes."""
+    for out, (fd, made) in list(_locks.items()):
+        os.close(fd)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty
+        del _locks[out]
+
+
+def disk_full(e: OSError, run: Run | None) -> TfmError:
+    """The one-line error of a full disk: which file, what is safe, and how to go on."""
+    where = f" writing '{e.filename}'" if e.filename else ""
+    found = ckpt.checkpoint_dirs(run.out) if run is not None else []
+    if found:
+        safe = f"the last complete checkpoint, '{found[-1]}', is intact: free some space, then run the same command " \
+               "with --resume"
+    else:
+        safe = "no checkpoint was written yet: free some space, then run the same command again"
+    return TfmError(f"no space left on device{where}; {safe}")
 
 
 def check_batch_size(tc: TrainConfig, rt: Runtime) -> None:
@@ -302,7 +349,12 @@ def run_to_end(rt: Runtime, make_run, finish, resume: bool | str, progress: bool
             return finish(run, logger)
         finally:
             logger.close()
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise disk_full(e, run) from None
     finally:
+        release_output_dirs()
         # The DDP wrapper holds the process group, and modules with hooks sit in reference cycles:
         # free them before the group is destroyed. Left to the interpreter's exit, a gloo rank
         # aborted there now and then ("terminate called without an active exception").
