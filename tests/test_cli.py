@@ -406,7 +406,9 @@ def test_unusual_reviews(cli_run, text):
     ([{"text": "good", "label": "pos"}] * 4 + [{"text": "so-so", "label": "mixed"}], 1,
      "class 'mixed' has no examples in the validation part"),
     ([{"text": "good", "label": 1}, {"text": "bad", "label": 1.5}] * 2, 1, "labels must be integers or class names (text)"),
-], ids=["no-text-column", "a-class-too-small-to-validate-on", "a-fraction"])
+    ([{"text": "good", "label": ["pos", "funny"]}] * 4, 1, "a list: multi-label data is not supported"),
+    ([{"text": "good", "stars": 1}] * 4, 1, "no column 'label'"),
+], ids=["no-text-column", "a-class-too-small-to-validate-on", "a-fraction", "list-labels", "no-label-column"])
 def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -419,15 +421,44 @@ def test_bad_datasets_fail_cleanly(tmp_path, rows, code, fragment):
     ("bad.jsonl", b'{"text": "a", "label": 0}\n{bad json\n', 1, ("could not read {path}: An error occurred while "
                                                                   "generating the dataset: JSON parse error")),
     ("bad.csv", b'text,label\n"unterminated,0\nb,1\n', 1, "Error tokenizing data"),
-    ("empty.csv", b"", 2, "data file '{path}' is empty: fill it or remove it"),  # a usage error: the user's file
+    ("empty.csv", b"", 1, "data file '{path}' is empty: fill it or remove it"),
+    ("header.csv", b"text,label\n", 1, "data file '{path}' has a header line but no rows: fill it or remove it"),
     ("fake.tar.gz", b"\x00not an archive" * 100, 1, "could not read '{path}' as a tar archive"),
-], ids=["jsonl", "csv", "empty-csv", "tarball"])
+], ids=["jsonl", "csv", "empty-csv", "header-only-csv", "tarball"])
 def test_unreadable_data_files_fail_in_one_line_that_says_why(tmp_path, name, content, code, fragment):
     path = tmp_path / name
     path.write_bytes(content)
     out = tmp_path / "out"
     assert_fails_cleanly(tfm("train", "--data", path, "-o", out, "--no-progress"), code, fragment.format(path=path))
     assert not out.exists()
+
+
+def test_a_data_path_that_does_not_exist_is_a_usage_error(tmp_path):
+    """The rule: what was typed is wrong (an option, a value, a path that does not exist) -> 2; what a file holds
+    is wrong (empty, no rows, a missing column, bad labels) -> 1."""
+    out = tmp_path / "out"
+    assert_fails_cleanly(tfm("train", "--data", tmp_path / "nowhere.csv", "-o", out, "--no-progress"), 2,
+                         "does not exist")
+    assert not out.exists()
+
+
+def test_no_help_shows_a_value_for_a_flag():
+    commands = ["train", "pretrain", "predict", "evaluate", "pseudo-label", "export", "serve", "explain", "inspect"]
+    for command in [[], *([c] for c in commands)]:
+        result = tfm(*command, "--help")
+        assert result.exit_code == 0 and "<bool>" not in result.stdout, (command, result.stdout)
+
+
+def test_imbalance_warning_names_the_class_never_predicted():
+    from transformer_cli.cli import imbalance_warning
+    from transformer_cli.evaluate import metrics_from_confusion
+
+    majority = metrics_from_confusion([[95, 0], [5, 0]], ["common", "rare"])  # every example called "common"
+    warning = imbalance_warning(majority)
+    assert warning.startswith("it never predicts 'rare' on validation (macro-F1 0.4872, accuracy 0.9500)")
+    assert "train.select_metric=macro_f1" in warning
+    assert imbalance_warning(metrics_from_confusion([[90, 5], [3, 2]], ["common", "rare"])) is not None  # F1 low
+    assert imbalance_warning(metrics_from_confusion([[48, 2], [3, 47]], ["neg", "pos"])) is None
 
 
 def fail_in_predict(monkeypatch, error: Exception) -> None:

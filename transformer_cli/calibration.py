@@ -98,13 +98,19 @@ def softmax(logits: torch.Tensor | np.ndarray, temperature: float = 1.0) -> np.n
 
 
 def calibrate(logits: torch.Tensor, labels: np.ndarray) -> dict:
-    """The fitted temperature of (validation) logits, with the ECE and NLL before and after scaling."""
-    t = fit_temperature(logits, labels)
+    """The temperature of (validation) logits, with the ECE and NLL before and after scaling: the one fitted (it
+    minimises the NLL) where it also lowers the ECE, else 1 (no scaling), so that calibration never makes the
+    reported ECE worse. "fitted_temperature" is the fitted one either way."""
+    fitted = fit_temperature(logits, labels)
     z, y = torch.as_tensor(logits, dtype=torch.float64), torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+    before = expected_calibration_error(softmax(z), labels)
+    after = expected_calibration_error(softmax(z, fitted), labels)
+    t = fitted if after <= before else 1.0
     return {
         "temperature": t,
-        "ece_before": expected_calibration_error(softmax(z), labels),
-        "ece_after": expected_calibration_error(softmax(z, t), labels),
+        "fitted_temperature": fitted,
+        "ece_before": before,
+        "ece_after": after if t == fitted else before,
         "nll_before": float(F.cross_entropy(z, y)) if len(y) else 0.0,
         "nll_after": float(F.cross_entropy(z / t, y)) if len(y) else 0.0,
         "bins": BINS,

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save
 
-from transformer_cli.config import FORMAT_VERSION
+from transformer_cli.config import FORMAT_VERSION, PRETRAINED_KIND
 from transformer_cli.errors import TfmError, UsageError, first_line
 from transformer_cli.fileio import (
     atomic_write_bytes,
@@ -33,7 +33,7 @@ from transformer_cli.fileio import (
 MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
 CKPT_DIR, COMPLETE = "checkpoints", "COMPLETE"
 BEST_FILE = "best.safetensors"  # in a checkpoint: the output's model (the best so far) when it was written
-PRETRAINED_KIND = "pretrained encoder"  # config.json's "kind" in the output directory of `tfm pretrain`
+
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 

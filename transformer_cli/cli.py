@@ -48,6 +48,11 @@ class _Tfm(TyperGroup):
         shell's completion request (env _TFM_COMPLETE, set by the script `--install-completion` installs)
         is answered first, as typer's own `main` would."""
         prog_name = prog_name or "tfm"
+        for command in [self, *self.commands.values()]:  # a flag takes no value: the help shows none, not <bool>
+            help_option = command.get_help_option(command.context_class(command))
+            for param in [*command.params, *([help_option] if help_option is not None else [])]:
+                if getattr(param, "is_flag", False) and param.metavar is None:
+                    param.metavar = ""
         self._main_shell_completion(extra, prog_name, extra.pop("complete_var", None))  # exits if it was one
         try:
             previous = signal.signal(signal.SIGTERM, _terminate)
@@ -245,11 +250,16 @@ def train(
         line += f", stopped early at step {metrics['steps']}"
     if "test" in metrics:
         line += f", test accuracy {metrics['test']['accuracy']:.4f}"
-    if "calibration" in metrics:
-        cal = metrics["calibration"]
-        line += (f"; temperature {cal['temperature']:.3f} (val ECE {cal['ece_before']:.4f} -> "
-                 f"{cal['ece_after']:.4f})")
+    cal = metrics["calibration"]
+    if cal["temperature"] == cal["fitted_temperature"]:
+        line += f"; temperature {cal['temperature']:.3f} (val ECE {cal['ece_before']:.4f} -> {cal['ece_after']:.4f})"
+    else:
+        line += (f"; no temperature (val ECE {cal['ece_before']:.4f}: the fitted {cal['fitted_temperature']:.3f} "
+                 "would raise it)")
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
+    warning = imbalance_warning(val)
+    if warning:
+        typer.echo(f"tfm: warning: {warning}", err=True)
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -509,6 +519,18 @@ def serve(
     run_server(checkpoint, host, port, limits, device, precision, workers,
                on_ready=lambda url: typer.echo(f"tfm: serving {checkpoint} on {url}; stop with Ctrl-C or SIGTERM",
                                                err=True))
+
+
+def imbalance_warning(val: dict) -> str | None:
+    """What to do when the validation metrics show a model that leans on the majority: a class it never predicts,
+    or macro-F1 far below accuracy."""
+    predicted = [sum(column) for column in zip(*val.get("confusion_matrix", []))]
+    never = [name for name, n in zip(val.get("labels", []), predicted) if n == 0]
+    if not never and val.get("macro_f1", 1.0) >= val.get("accuracy", 0.0) - 0.1:
+        return None
+    why = f"it never predicts {', '.join(repr(n) for n in never)} on validation" if never else "its macro-F1 is low"
+    return (f"{why} (macro-F1 {val['macro_f1']:.4f}, accuracy {val['accuracy']:.4f}): the classes are imbalanced; "
+            "select the model by macro-F1 with train.select_metric=macro_f1")
 
 
 def evaluation_report(m: dict) -> str:

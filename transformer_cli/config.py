@@ -469,6 +469,7 @@ def with_local_paths(d: dict[str, Any]) -> dict[str, Any]:
 
 
 FORMAT_VERSION = 1  # of a run's config.json
+PRETRAINED_KIND = "pretrained encoder"  # config.json's "kind" in the output directory of `tfm pretrain`
 # What a pretrained encoder fixes: its sizes, and the tokenizer its embeddings index. data.max_length too where
 # the encoder learnt a table of that many positions; rotary or sinusoidal positions hold no table, so the
 # classifier may read longer (or shorter) reviews than the encoder's setting, which is then only its default.
@@ -529,6 +530,9 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:
         version = saved.get("format_version") if isinstance(saved, dict) else None
         raise TfmError(f"'{path}' has format version {version!r}; this tfm reads version {FORMAT_VERSION}")
+    if saved.get("kind") != PRETRAINED_KIND:  # a classifier's run: its encoder learnt another task's features
+        raise UsageError(f"--init-from '{init}' is a classifier trained by `tfm train`, not a pretrained encoder; "
+                         "pass the output directory of `tfm pretrain`")
     saved = saved_config(saved, path)
     if not (folder / "tokenizer.json").is_file():  # another tokenizer's ids would index the wrong embedding rows
         raise TfmError(f"--init-from '{init}' has no tokenizer.json, which its encoder's token ids belong to; "

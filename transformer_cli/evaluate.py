@@ -26,7 +26,15 @@ from transformer_cli.checkpoint import (
     refuse_pretrained_encoder,
 )
 from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, saved_config
-from transformer_cli.data import Encoded, collate, encode_texts, length_batches, local_paths, prepare_eval_data
+from transformer_cli.data import (
+    VALIDATION_SPLIT,
+    Encoded,
+    collate,
+    encode_texts,
+    length_batches,
+    local_paths,
+    prepare_eval_data,
+)
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
 from transformer_cli.model import CTransformer
@@ -274,7 +282,12 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
         raise UsageError(f"the run's dataset '{src}' (its data.source, relative to where `tfm train` ran) "
                          "is not found from here; pass --data")
     t0 = time.perf_counter()
-    enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed, labels)
+    try:
+        enc = prepare_eval_data(cfg.data, tokenizer, split, max_samples, cfg.train.seed, labels)
+    except UsageError as e:
+        if split == VALIDATION_SPLIT or f"has no '{split}' split" not in str(e):
+            raise
+        raise UsageError(f"{e}; evaluate the part the run validated on with --split {VALIDATION_SPLIT}") from None
     prep = time.perf_counter() - t0
     metrics, logits = evaluate_scaled(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels,
                                       temperature)

@@ -3,21 +3,19 @@
 The pictures: the confusion matrix; the reliability diagram (accuracy against confidence in the
 calibration bins, with the ECE); the precision-recall curve of each class (one against the rest);
 accuracy by review length (token-length bins). The figures are drawn by matplotlib's Agg canvas
-(no display, no global pyplot state), imported only when a picture is drawn: it is the `viz` extra.
+(no display, no global pyplot state), imported only when a picture is drawn.
 The TensorBoard pictures of `tfm train` (tb_pictures.py) reuse these figures.
 """
 
 from __future__ import annotations
 
 import html
-import importlib.util
 import io
 from pathlib import Path
 
 import numpy as np
 
 from transformer_cli.calibration import BINS, expected_calibration_error, reliability
-from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_together, check_output_path
 
 REPORT_FILE = "report.html"
@@ -27,22 +25,13 @@ PICTURES = {  # file -> caption, in the report's order
     "pr_curve.png": "Precision-recall curves",
     "accuracy_by_length.png": "Accuracy by review length",
 }
-NEEDS_VIZ = "needs matplotlib: pip install 'transformer-cli[viz]'"
-
-
-def have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
-
-
 def check_report_dir(path: str | Path) -> Path:
     """`path` usable as the report's folder (and each of its files, where one is there already: not a
-    folder), and matplotlib there: checked before the evaluation runs."""
+    folder): checked before the evaluation runs."""
     hint = "pass a folder for the report's pictures"
     path = check_output_path(path, "--report", folder=True, hint=hint)
     for name in [*PICTURES, REPORT_FILE]:
         check_output_path(path / name, "--report", hint=f"remove it or {hint}")
-    if not have_matplotlib():
-        raise TfmError(f"--report {NEEDS_VIZ}")
     return path
 
 
@@ -65,11 +54,15 @@ def write_report(folder: str | Path, metrics: dict, probs: np.ndarray, labels: n
 
 
 def report_html(metrics: dict) -> str:
-    """A self-contained page: the headline numbers and each picture of PICTURES, by relative name."""
+    """A self-contained page: the headline numbers, each class's precision, recall, F1 and support (as `tfm
+    evaluate` prints them), and each picture of PICTURES, by relative name."""
     rows = [("examples", f"{metrics['num_examples']}"), ("accuracy", f"{metrics['accuracy']:.4f}"),
-            ("loss", f"{metrics['loss']:.4f}"), ("ece", f"{metrics['ece']:.4f}"),
-            ("temperature", f"{metrics.get('temperature', 1.0):.4f}")]
+            ("macro_f1", f"{metrics['macro_f1']:.4f}"), ("loss", f"{metrics['loss']:.4f}"),
+            ("ece", f"{metrics['ece']:.4f}"), ("temperature", f"{metrics.get('temperature', 1.0):.4f}")]
     table = "\n".join(f'<tr><th>{name}</th><td id="{name}">{value}</td></tr>' for name, value in rows)
+    per_class = "\n".join(
+        f"<tr><th>{html.escape(name)}</th>" + "".join(f"<td>{c[k]:.4f}</td>" for k in ("precision", "recall", "f1"))
+        + f"<td>{c['support']}</td></tr>" for name, c in metrics["per_class"].items())
     pictures = "\n".join(f'<figure><img src="{name}" alt="{html.escape(caption)}">'
                          f"<figcaption>{html.escape(caption)}</figcaption></figure>"
                          for name, caption in PICTURES.items())
@@ -83,6 +76,10 @@ figure {{ display: inline-block; margin: 1em; }} img {{ max-width: 36em; }}</sty
 <h1>{title}</h1>
 <table>
 {table}
+</table>
+<table id="per_class">
+<tr><th>class</th><th>precision</th><th>recall</th><th>f1</th><th>support</th></tr>
+{per_class}
 </table>
 {pictures}
 </body>

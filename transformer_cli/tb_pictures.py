@@ -4,13 +4,10 @@ At each validation pass, from the validation logits that pass computed (no secon
 a precision-recall curve per class (`val_pr/LABEL`), the confusion matrix as an image
 (`val/confusion_matrix`) and a text panel of the most confidently wrong reviews
 (`val/confidently_wrong`). At the end of training: one validation review's attention maps, a
-panel per layer, heads averaged (`val/attention`). Images need matplotlib (the `viz` extra);
-without it they are left out, with one warning.
+panel per layer, heads averaged (`val/attention`).
 """
 
 from __future__ import annotations
-
-import sys
 
 import numpy as np
 import torch
@@ -19,13 +16,12 @@ from transformer_cli.calibration import softmax
 from transformer_cli.data import Encoded
 from transformer_cli.explain import cut_positions, shown_text
 from transformer_cli.model import explicit_attention
-from transformer_cli.report import NEEDS_VIZ, confusion_figure, have_matplotlib, new_figure, plain, rgb_array, short
+from transformer_cli.report import confusion_figure, new_figure, plain, rgb_array, short
 
 WRONG_SHOWN = 10  # reviews in the confidently-wrong panel
 TEXT_CHARS = 300  # of each review shown there
 ATTENTION_TOKENS = 40  # the review whose attention is drawn is cut to this many tokens, to stay legible
 
-_warned: set[str] = set()
 
 
 def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: Encoded, names: list[str],
@@ -38,9 +34,8 @@ def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: 
     probs = softmax(logits)
     for c, name in enumerate(names):
         writer.add_pr_curve(f"val_pr/{name}", enc.labels == c, probs[:, c], step)
-    if _can_draw():
-        fig = confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
-        writer.add_image("val/confusion_matrix", rgb_array(fig), step, dataformats="HWC")
+    fig = confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
+    writer.add_image("val/confusion_matrix", rgb_array(fig), step, dataformats="HWC")
     writer.add_text("val/confidently_wrong", wrong_panel(probs, enc, names, tokenizer, texts, data_cfg), step)
 
 
@@ -117,7 +112,7 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     """One validation review's attention maps, a panel per layer (heads averaged), as an image, titled
     with its true label and the label predicted from the tokens drawn, with its probability calibrated
     by `temperature` (what `tfm predict` prints for the review, where it is drawn whole)."""
-    if writer is None or not len(enc) or not _can_draw():
+    if writer is None or not len(enc):
         return
     i = pick_review(enc)
     ids_np = enc.ids[enc.offsets[i] : enc.offsets[i + 1]][:ATTENTION_TOKENS].astype(np.int64)
@@ -148,13 +143,3 @@ def attention_figure(maps: list[np.ndarray], tokens: list[str], title: str):
         ax.set_yticks(range(len(tokens)), [plain(t) for t in tokens], fontsize=6)
         ax.set_title(f"layer {layer + 1}", fontsize=9)
     return fig
-
-
-def _can_draw() -> bool:
-    if have_matplotlib():
-        return True
-    if "draw" not in _warned:
-        _warned.add("draw")
-        print(f"tfm: warning: TensorBoard images {NEEDS_VIZ}; left out", file=sys.stderr)
-    return False
-

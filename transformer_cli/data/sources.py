@@ -220,7 +220,7 @@ def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
 
 
 def refuse_empty_files(files: Iterable[str | Path]) -> None:
-    """A UsageError naming the first of `files` that holds no rows: blank, a CSV/TSV header alone, or a
+    """A TfmError naming the first of `files` that holds no rows: blank, a CSV/TSV header alone, or a
     Parquet file of none."""
     for f in map(Path, files):
         if not f.is_file():
@@ -234,13 +234,13 @@ def refuse_empty_files(files: Iterable[str | Path]) -> None:
             except Exception:  # noqa: BLE001 (pyarrow's errors for a damaged file; the caller names it)
                 rows = None
             if rows == 0:
-                raise UsageError(f"data file '{f}' has no rows: fill it or remove it") from None
+                raise TfmError(f"data file '{f}' has no rows: fill it or remove it") from None
         elif f.stat().st_size <= 4096:
             lines = [line for line in f.read_bytes().splitlines() if line.strip()]
             if not lines:
-                raise UsageError(f"data file '{f}' is empty: fill it or remove it") from None
+                raise TfmError(f"data file '{f}' is empty: fill it or remove it") from None
             if len(lines) == 1 and suffix in (".csv", ".tsv"):
-                raise UsageError(f"data file '{f}' has a header line but no rows: fill it or remove it") from None
+                raise TfmError(f"data file '{f}' has a header line but no rows: fill it or remove it") from None
 
 
 def open_text_source(source: str, splits: Iterable[str] | None = None):
@@ -410,6 +410,9 @@ def _distinct_labels(values: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     else:
         text = isinstance(values[0], str)
         odd = next(v for v in values if isinstance(v, str) != text or not isinstance(v, (int, np.integer, str)))
+        if isinstance(odd, (list, tuple, np.ndarray)):
+            raise TfmError(f"{where} has label {odd!r}, a list: multi-label data is not supported; give each "
+                           "example one label (an integer or a class name)")
         raise TfmError(f"{where} has label {odd!r}; labels must be integers or class names (text), "
                        "one kind throughout")
     distinct, inverse = np.unique(array, return_inverse=True)
