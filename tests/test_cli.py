@@ -206,7 +206,7 @@ def test_predict_prints_one_line_per_review_whatever_its_whitespace(cli_run):
 def test_snippets_read_only_the_start_but_show_what_collapsing_the_whole_would():
     import random
 
-    from transformer_cli.cli import snippet
+    from transformer_cli.console import snippet
 
     def reference(text: str) -> str:
         line = " ".join(text.split())
@@ -265,7 +265,7 @@ def test_evaluate_text_report(cli_run):
 def test_evaluation_report_of_three_labels():
     import numpy as np
 
-    from transformer_cli.cli import evaluation_report
+    from transformer_cli.console import evaluation_report
     from transformer_cli.evaluate import metrics_from_confusion
 
     m = metrics_from_confusion(np.array([[1, 2, 0], [0, 3, 0], [1, 0, 12]]), ["a", "bee", "c"])
@@ -450,7 +450,7 @@ def test_no_help_shows_a_value_for_a_flag():
 
 
 def test_imbalance_warning_names_the_class_never_predicted():
-    from transformer_cli.cli import imbalance_warning
+    from transformer_cli.console import imbalance_warning
     from transformer_cli.evaluate import metrics_from_confusion
 
     majority = metrics_from_confusion([[95, 0], [5, 0]], ["common", "rare"])  # every example called "common"
