@@ -197,12 +197,26 @@ class DataConfig(_Section):
             self._fail("pseudo_min_score", "must be a probability in [0, 1)")
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([hms])")
+
+
+def duration_sec(text: str) -> float:
+    """Seconds of a duration such as "90s", "50m", "2h" or "1h30m"; 0 where `text` is none."""
+    parts = _DURATION.findall(text)
+    if "".join(f"{n}{unit}" for n, unit in parts) != re.sub(r"\s", "", text):
+        return 0.0
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[unit] for n, unit in parts)
+
+
 @dataclass(frozen=True)
 class TrainConfig(_Section):
     _name = "train"
     output_dir: str = "runs/tfm"
     epochs: int = 3
     max_steps: int | None = None  # stop after this many optimizer steps, whatever the epochs
+    # A wall-clock budget for training ("90s", "50m", "2h", "1h30m"), data preparation aside: the schedule follows its
+    # elapsed share, and the run ends within it with its best model (or at max_steps or the epochs, if sooner).
+    time_budget: str | None = None
     batch_size: int = 32  # examples per optimizer step, summed over processes and accumulation
     grad_accum_steps: int = 1
     lr: float = 1e-3
@@ -227,7 +241,13 @@ class TrainConfig(_Section):
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
     init_from: str | None = None  # a `tfm pretrain` output directory: its encoder and tokenizer start the model
 
+    @property
+    def budget_sec(self) -> float | None:
+        return None if self.time_budget is None else duration_sec(self.time_budget)
+
     def validate(self) -> None:
+        if self.time_budget is not None and not duration_sec(self.time_budget) > 0:
+            self._fail("time_budget", 'must be a positive duration such as "90s", "50m", "2h" or "1h30m"')
         if not self.output_dir.strip():
             self._fail("output_dir", "must name a folder")
         if not 0 <= self.seed < 2**32:

@@ -47,6 +47,7 @@ class Classification:
         self.eval_batch_size = eval_batch_size
         self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
+        self.val_tokens = int(val.lengths.sum())
         self.val_logits: torch.Tensor | None = None  # of the last validation pass, for pictures and calibration
 
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:

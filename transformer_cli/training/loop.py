@@ -61,14 +61,33 @@ class Aborted(TfmError):
 # --------------------------------------------------------------------------- schedule
 
 
-def lr_at(step: int, total_steps: int, tc: TrainConfig) -> float:
-    """Linear warmup to `tc.lr`, then linear/cosine decay to 0 (or constant)."""
+clock = time.perf_counter  # the loop's clock, which train.time_budget reads (a test may replace it)
+
+
+def lr_at(step: int, total_steps: int, tc: TrainConfig, elapsed: float = 0.0) -> float:
+    """Linear warmup to `tc.lr`, then linear/cosine decay to 0 (or constant). With train.time_budget the run's
+    progress is the share of the budget spent (`elapsed` seconds) or of the steps done, whichever is further,
+    and warmup_ratio is a share of the budget, as Cramming (Geiping & Goldstein 2022) schedules by time."""
+    if tc.time_budget is not None and tc.warmup_steps is None:
+        done = min(1.0, max((step + 1) / total_steps, elapsed / tc.budget_sec))
+        if done < tc.warmup_ratio:
+            return tc.lr * done / tc.warmup_ratio
+        return _decayed(tc, (done - tc.warmup_ratio) / (1.0 - tc.warmup_ratio))
     warmup = tc.warmup_steps if tc.warmup_steps is not None else int(tc.warmup_ratio * total_steps)
     if step < warmup:
         return tc.lr * (step + 1) / warmup
-    if tc.schedule == "constant" or total_steps <= warmup:
+    if total_steps <= warmup:
         return tc.lr
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if tc.time_budget is not None:
+        progress = max(progress, min(1.0, elapsed / tc.budget_sec))
+    return _decayed(tc, progress)
+
+
+def _decayed(tc: TrainConfig, progress: float) -> float:
+    """The rate after warmup at `progress` (0 to 1) through the decay."""
+    if tc.schedule == "constant":
+        return tc.lr
     if tc.schedule == "cosine":
         progress = 0.5 * (1.0 - math.cos(math.pi * progress))
     return tc.lr * (1.0 - progress)
@@ -140,6 +159,7 @@ class TrainState:
     # two logs logs the same means as the run it continues.
     stats_since_log: dict = field(default_factory=dict)
     steps_since_log: int = 0
+    out_of_time: bool = False  # train.time_budget ended the run
 
     @classmethod
     def from_json(cls, d: dict) -> TrainState:
@@ -239,6 +259,7 @@ class Task(Protocol):
     lengths: np.ndarray  # (N,) tokens of each training example, for the bucketed sampler
     num_train: int
     num_val: int
+    val_tokens: int  # real tokens of the validation examples
 
     def batch(self, rt: Runtime, idx: np.ndarray) -> Batch: ...
 
@@ -359,19 +380,21 @@ def total_steps(run: Run, sampler: BucketSampler) -> int:
     return min(total, run.cfg.train.max_steps) if run.cfg.train.max_steps else total
 
 
-def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
+def train_steps(run: Run, total: int, stop: _StopFlag, elapsed: Callable[[], float] = lambda: 0.0,
+                time_up: Callable[[], bool] = lambda: False) -> Iterator[StepResult]:
     """Optimizer steps from where the run's state stands to `total`, one result each; the state is
-    advanced before each is yielded (the epoch after the last step of an epoch)."""
-    tc, st = run.cfg.train, run.state
+    advanced before each is yielded (the epoch after the last step of an epoch). `elapsed()`: the run's
+    training seconds so far; `time_up()`: whether its time budget is spent, which makes a step the last."""
+    tc, st, rt = run.cfg.train, run.state, run.rt
     sampler = make_sampler(run)
     run.engine.train()
-    while st.step < total and st.epoch < tc.epochs and not out_of_patience(tc, st):
+    while st.step < total and st.epoch < tc.epochs and not out_of_patience(tc, st) and not st.out_of_time:
         groups = step_groups(sampler.batches(st.epoch), tc.grad_accum_steps)
         if st.batch_in_epoch >= len(groups):  # resumed (--force) with fewer steps an epoch than it had done
             st.epoch, st.batch_in_epoch = st.epoch + 1, 0
             continue
         while st.batch_in_epoch < len(groups) and st.step < total and not out_of_patience(tc, st):
-            lr = lr_at(st.step, total, tc)
+            lr = lr_at(st.step, total, tc, elapsed())
             for g in run.optimizer.param_groups:
                 g["lr"] = lr * g.get("lr_scale", 1.0)
             batches = [run.task.batch(run.rt, idx) for idx in groups[st.batch_in_epoch]]
@@ -392,13 +415,15 @@ def train_steps(run: Run, total: int, stop: _StopFlag) -> Iterator[StepResult]:
                 st.bad_steps_in_row += 1
                 st.bad_steps_total += 1
             epoch_done = st.batch_in_epoch == len(groups)
-            result.last = epoch_done or st.step >= total
+            if tc.time_budget is not None:  # the ranks agree, on the slowest one's clock
+                st.out_of_time = rt.all_sum([float(time_up())])[0] > 0 if rt.distributed else time_up()
+            result.last = epoch_done or st.step >= total or st.out_of_time
             if epoch_done:
                 st.epoch += 1
                 st.batch_in_epoch = 0
             yield result
-            if epoch_done:
-                break  # the next epoch's batches
+            if epoch_done or st.out_of_time:
+                break  # the next epoch's batches, or the end
 
 
 def out_of_patience(tc: TrainConfig, st: TrainState) -> bool:
@@ -407,9 +432,12 @@ def out_of_patience(tc: TrainConfig, st: TrainState) -> bool:
 
 
 def stop_reason(tc: TrainConfig, st: TrainState, total: int) -> str:
-    """Why a run that ended (after `total` steps at most) stopped: "patience" (early), "max_steps" or "epochs"."""
+    """Why a run that ended (after `total` steps at most) stopped: "patience" (early), "time_budget", "max_steps"
+    or "epochs"."""
     if out_of_patience(tc, st) and st.step < total:
         return "patience"
+    if st.out_of_time:
+        return "time_budget"
     return "max_steps" if tc.max_steps is not None and st.step >= tc.max_steps else "epochs"
 
 
@@ -425,7 +453,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
     micro = tc.batch_size // (tc.grad_accum_steps * rt.world_size)
     if st.step:
         _say(f"resuming from step {st.step} of {total}", rt.is_main)
-    _say(f"training {task.num_train} examples ({task.num_val} validation) for {total} steps; batch {tc.batch_size} "
+    steps = f"{total} steps" if tc.time_budget is None else f"{tc.time_budget} (at most {total} steps)"
+    _say(f"training {task.num_train} examples ({task.num_val} validation) for {steps}; batch {tc.batch_size} "
          f"= {micro} x {rt.world_size} process(es) x {tc.grad_accum_steps} accumulation; {rt.device}, {rt.precision}",
          progress and rt.is_main)
     bar = None
@@ -434,9 +463,20 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
 
         bar = tqdm(total=total, initial=st.step, desc=task.prefix, unit="step", dynamic_ncols=True)
     window = {"samples": 0, "tokens": 0, "t0": time.perf_counter()}  # throughput of the steps alone
-    t_start = time.perf_counter() - st.train_time_sec
+    t_start = clock() - st.train_time_sec
+    ending = {"sec": 0.0}  # what the last validation pass (and its checkpoint) took: the run's end costs as much
+
+    def elapsed() -> float:
+        return clock() - t_start
+
+    def time_up() -> bool:
+        cost = ending["sec"]
+        if not cost and st.tokens_seen:  # no validation yet: its forward passes, at a third of a training step's cost
+            cost = task.val_tokens / (3 * st.tokens_seen / max(elapsed(), 1e-9))
+        return elapsed() + cost >= tc.budget_sec
+
     with _StopFlag(run.out) as stop, contextlib.closing(bar) if bar is not None else contextlib.nullcontext():
-        for result in train_steps(run, total, stop):
+        for result in train_steps(run, total, stop, elapsed, time_up):
             window["samples"] += result.samples
             window["tokens"] += result.tokens
             if bar is not None:
@@ -453,19 +493,23 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
             stopping = result.stopping
             if result.last:  # validated and saved once, at the end of each epoch and of the run
                 with _untimed(window):
+                    t0 = clock()
                     validate(run, logger)
-                    st.train_time_sec = time.perf_counter() - t_start
+                    st.train_time_sec = elapsed()
                     # A stop during the last validation still gets the checkpoint first. The ranks
                     # agree before it, so that its barrier stays the epoch's last collective.
                     stopping = stopping or stop.signum is not None
                     if rt.distributed:
                         stopping = rt.all_sum([float(stopping)])[0] > 0
                     where = save_checkpoint(run)
+                    ending["sec"] = clock() - t0
             else:
                 if tc.eval_every and st.step % tc.eval_every == 0:
                     with _untimed(window):
+                        t0 = clock()
                         validate(run, logger)
-                st.train_time_sec = time.perf_counter() - t_start
+                        ending["sec"] = clock() - t0
+                st.train_time_sec = elapsed()
                 if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 or stopping or out_of_patience(tc, st):
                     with _untimed(window):
                         where = save_checkpoint(run)
@@ -477,7 +521,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                      f"val {metric} (train.patience = {tc.patience}); best at step {st.best_step}",
                      progress and rt.is_main)
     # metrics.json's time includes the last checkpoint too (each checkpoint holds the time before it)
-    st.train_time_sec = time.perf_counter() - t_start
+    st.train_time_sec = elapsed()
 
 
 class _StopFlag:

@@ -303,6 +303,7 @@ class MaskedLanguageModelling(PretrainingTask):
         self.mask_prob, self.vocab_size = pc.mask_prob, vocab_size
         self.lengths = windows.lengths[self.train_idx]
         self.num_train, self.num_val = len(self.train_idx), len(val_idx)
+        self.val_tokens = int(self.val.lengths.sum())
 
     def _masked(self, enc: Encoded, idx: np.ndarray, starts: np.ndarray, generator=None):
         """(the model's tensors: masked ids, mask, picked, targets and, for windows, each token's

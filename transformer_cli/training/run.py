@@ -21,6 +21,7 @@ from transformer_cli.fileio import (
     check_output_path,
     read_json,
     remove_stale_temp_files,
+    write_json,
 )
 from transformer_cli.runtime import Runtime, shutdown
 from transformer_cli.training.loop import (
@@ -288,6 +289,8 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     except (KeyError, ValueError, RuntimeError, IndexError) as e:
         raise TfmError(f"checkpoint '{path}' does not fit this model/optimizer ({e})") from None
     state = TrainState.from_json(train_json["state"])
+    if "train.time_budget" in changed:  # another budget (--force): the run goes on until that one is spent
+        state.out_of_time = False
     if any(k.startswith("model.") or k == "train.init_from" for k in changed):
         # The best model so far is another model than config.json will describe: the next validation picks anew.
         state.best_score, state.best_step, state.best_val, state.evals_since_best = -math.inf, -1, {}, 0
@@ -346,7 +349,11 @@ def run_to_end(rt: Runtime, make_run, finish, resume: bool | str, progress: bool
             if resume and finished and run.state.step == start:  # a finished run, resumed: nothing new to log,
                 logger.close()  # and its end-of-run figures and pictures are in its events already
                 logger.writer = None
-            return finish(run, logger)
+            metrics = finish(run, logger)
+            if rt.is_main:  # config.json says how long the run trained: a time budget decides it only at run time
+                meta = read_json(run.out / ckpt.CONFIG_FILE, "config")
+                write_json(run.out / ckpt.CONFIG_FILE, {**meta, "steps": run.state.step})
+            return metrics
         finally:
             logger.close()
     except OSError as e:
