@@ -28,6 +28,7 @@ from transformer_cli.data.sources import (
 )
 from transformer_cli.data.splits import (
     VALIDATION_SPLIT,
+    keys_of_test_texts,
     read_pseudo_labels,
     sample_indices,
     stratified_split,
@@ -40,6 +41,7 @@ from transformer_cli.data.text import (
     cached_encode,
     cached_tokenizer,
     encode_texts,
+    text_keys,
     text_normalizer,
     train_tokenizer,
     truncate,
@@ -48,12 +50,45 @@ from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.tokens import CLS_ID, PAD_ID, PAD_MULTIPLE, SPECIAL_TOKENS
 
 __all__ = [  # the package's public names
-    "CLS_ID", "CONTINUATION", "DEFAULT_LABELS", "FILE_BUILDERS", "PAD_ID", "PAD_MULTIPLE", "SPECIAL_TOKENS",
-    "UNLABELLED_SPLIT", "VALIDATION_SPLIT", "BucketSampler", "Encoded", "RawSplit", "batch_width", "cache_key",
-    "cached_encode", "cached_tokenizer", "check_classes", "collate", "encode_texts", "label_ids",
-    "label_names_of", "length_batches", "load_splits", "local_paths", "named_files", "open_dataset",
-    "open_dataset_files", "open_text_source", "read_pseudo_labels", "sample_indices", "source_files",
-    "stratified_split", "text_chunks", "text_normalizer", "train_tokenizer", "train_val_splits", "truncate",
+    "CLS_ID",
+    "CONTINUATION",
+    "DEFAULT_LABELS",
+    "FILE_BUILDERS",
+    "PAD_ID",
+    "PAD_MULTIPLE",
+    "SPECIAL_TOKENS",
+    "UNLABELLED_SPLIT",
+    "VALIDATION_SPLIT",
+    "BucketSampler",
+    "Encoded",
+    "RawSplit",
+    "batch_width",
+    "cache_key",
+    "cached_encode",
+    "cached_tokenizer",
+    "check_classes",
+    "collate",
+    "encode_texts",
+    "keys_of_test_texts",
+    "label_ids",
+    "label_names_of",
+    "length_batches",
+    "load_splits",
+    "local_paths",
+    "named_files",
+    "open_dataset",
+    "open_dataset_files",
+    "open_text_source",
+    "read_pseudo_labels",
+    "sample_indices",
+    "source_files",
+    "stratified_split",
+    "text_chunks",
+    "text_keys",
+    "text_normalizer",
+    "train_tokenizer",
+    "train_val_splits",
+    "truncate",
     "unread_split_hint",
 ]
 
@@ -80,12 +115,8 @@ def prepare_train_data(cfg: DataConfig, seed: int, tokenizer=None, needed: tuple
     train_raw, val_raw, label_names, val_split = train_val_splits(cfg, seed, needed)
     if cfg.pseudo_labels is not None:
         # Never trained on: validation and test reviews (IMDB's unlabelled reviews repeat some of its test
-        # reviews), nor a second copy of a training review, whose own label stands.
-        try:
-            test = load_splits(cfg, (), ("test",), label_names=label_names)[0].get("test")
-        except TfmError:  # a test split whose labels cannot be read (-1, say) cannot be scored either
-            test = None
-        known = {*val_raw.texts, *train_raw.texts, *(test.texts if test is not None else ())}
+        # reviews), nor a second copy of a training review, whose own label stands; copies as the tokenizer sees them.
+        known = set(text_keys([*val_raw.texts, *train_raw.texts])) | keys_of_test_texts(cfg)
         extra = read_pseudo_labels(cfg, label_names, known)
         train_raw = RawSplit(train_raw.texts + extra.texts, np.concatenate([train_raw.labels, extra.labels]))
     train_fp = train_raw.fingerprint()

@@ -18,8 +18,10 @@ from transformer_cli.data.sources import (
     load_splits,
     named_files,
     open_dataset_files,
+    open_text_source,
     unread_split_hint,
 )
+from transformer_cli.data.text import text_keys
 from transformer_cli.errors import TfmError, UsageError
 
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
@@ -103,9 +105,21 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
     return train, val, label_names, val_split
 
 
-def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str]) -> RawSplit:
+def keys_of_test_texts(cfg: DataConfig) -> set[bytes]:
+    """The text_keys of the source's test split, where it has one: texts that pretraining and self-training leave
+    out (IMDB's unlabelled split repeats some of its test reviews), so that no test text is trained on."""
+    try:
+        ds = open_text_source(cfg.source, ["test"])
+    except TfmError:
+        return set()
+    if "test" not in ds or cfg.text_column not in ds["test"].column_names:
+        return set()
+    return set(text_keys(ds["test"][cfg.text_column]))
+
+
+def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[bytes]) -> RawSplit:
     """The reviews of `tfm pseudo-label`'s file `cfg.pseudo_labels` labelled with a score of at least
-    `cfg.pseudo_min_score`, each once, less any whose text is in `known` (see prepare_train_data)."""
+    `cfg.pseudo_min_score`, each once, less any whose text_key is in `known` (see prepare_train_data)."""
     path = cfg.pseudo_labels
     if not Path(path).is_file():
         raise UsageError(f"data.pseudo_labels = '{path}' is not a file; write one with `tfm pseudo-label`")
@@ -123,9 +137,9 @@ def read_pseudo_labels(cfg: DataConfig, label_names: list[str], known: set[str])
     if not np.all((scores >= 0) & (scores <= 1)):  # NaN fails too
         raise TfmError(f"'{path}' has scores that are not numbers in [0, 1]; write it with `tfm pseudo-label`")
     seen, keep = set(known), []
-    for i, (text, score) in enumerate(zip(rows.texts, scores)):
-        if score >= cfg.pseudo_min_score and text not in seen:
-            seen.add(text)
+    for i, (key, score) in enumerate(zip(text_keys(rows.texts), scores)):
+        if score >= cfg.pseudo_min_score and key not in seen:
+            seen.add(key)
             keep.append(i)
     if not keep:
         scored = int((scores >= cfg.pseudo_min_score).sum())

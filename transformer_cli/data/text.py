@@ -101,6 +101,14 @@ def text_normalizer():
     return normalizers.Sequence([normalizers.Replace(Regex(BR_TAG), " "), normalizers.NFKC(), normalizers.Lowercase()])
 
 
+def text_keys(texts: Iterable[str]) -> list[bytes]:
+    """Each text's key as the tokenizer sees it (normalized, whitespace runs as one space): two texts with one key
+    tokenize alike, so that one stands in for the other in training."""
+    normalizer = text_normalizer()
+    return [hashlib.blake2b(" ".join(normalizer.normalize_str(t).split()).encode("utf-8", "surrogatepass"),
+                            digest_size=16).digest() for t in texts]
+
+
 def characters(texts: Iterable[str], normalizer) -> set[str]:
     """The characters of `texts` normalized by `normalizer`, whitespace aside. It may hold a few
     that no text has once normalized whole (e.g. the "<" of a "<br />"): never in a word, they are

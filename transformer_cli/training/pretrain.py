@@ -17,6 +17,7 @@ import errno
 import hashlib
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ from transformer_cli.data import (
     encode_texts,
     length_batches,
     open_text_source,
+    keys_of_test_texts,
     text_chunks,
+    text_keys,
     unread_split_hint,
 )
 from transformer_cli.errors import TfmError, UsageError
@@ -100,6 +103,7 @@ class Corpus:
     texts: Encoded  # every text; ids memory-mapped from the token file
     train_idx: np.ndarray  # (N_train,) indices of the texts trained on
     val_idx: np.ndarray  # (N_val,) the held-out ones
+    test_texts_left_out: int  # texts of the source that are also in its test split, never pretrained on
 
 
 def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
@@ -109,8 +113,16 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
     tables = text_splits(cfg)
     lines = any(is_lines(t) for t in tables)  # a .txt file's blank lines separate texts: they are none
 
+    test_keys = keys_of_test_texts(d)  # never pretrained on
+    kept: list[np.ndarray] = []  # per chunk of the source, which of its texts are pretrained on
+
     def chunks() -> Iterator[list[str]]:  # a new pass over the text
-        return text_chunks(tables, d.text_column, SHARD_TEXTS, d.max_train_samples, skip_blank=lines)
+        for i, texts in enumerate(text_chunks(tables, d.text_column, SHARD_TEXTS, d.max_train_samples,
+                                              skip_blank=lines)):
+            if i == len(kept):
+                kept.append(np.array([k not in test_keys for k in text_keys(texts)], dtype=bool))
+            if kept[i].any():
+                yield [t for t, keep in zip(texts, kept[i]) if keep]
 
     class Texts:  # every text, from the start on each iter(): the tokenizer trainer reads them twice
         def __iter__(self) -> Iterator[str]:
@@ -123,6 +135,9 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
             h.update(t.encode("utf-8", "surrogatepass"))
             h.update(b"\0")
         n += len(texts)
+    left_out = sum(int((~k).sum()) for k in kept)
+    if left_out:
+        print(f"tfm: pretraining leaves out {left_out:,} texts that are also in the test split", file=sys.stderr)
     if n == 0 and lines:
         raise TfmError(f"'{d.source}' has no text, only blank lines; pretrain on a file of texts, one per line")
     if n <= pc.val_texts:
@@ -140,7 +155,7 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
         texts = write_token_file(folder / f"corpus-{key}", tokenizer, chunks(), cfg)
     val_idx = np.sort(np.random.default_rng(cfg.train.seed).permutation(n)[: pc.val_texts])
     train_idx = np.setdiff1d(np.arange(n), val_idx)
-    return Corpus(tokenizer, texts, train_idx, val_idx)
+    return Corpus(tokenizer, texts, train_idx, val_idx, left_out)
 
 
 def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: Config) -> Encoded:
@@ -354,7 +369,7 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     model = MaskedLM(cfg.model, vocab_size, cfg.data.max_length)
     task = MaskedLanguageModelling(corpus, cfg.pretrain, vocab_size, tc.select_metric or "loss")
     files = ckpt.model_files(cfg.to_dict(), corpus.tokenizer.to_str(), vocab_size, kind=ckpt.PRETRAINED_KIND,
-                             num_texts=len(corpus.texts))
+                             num_texts=len(corpus.texts), test_texts_left_out=corpus.test_texts_left_out)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
 
