@@ -49,49 +49,6 @@ from transformer_cli.data.text import (
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.tokens import CLS_ID, PAD_ID, PAD_MULTIPLE, SPECIAL_TOKENS
 
-__all__ = [  # the package's public names
-    "CLS_ID",
-    "CONTINUATION",
-    "DEFAULT_LABELS",
-    "FILE_BUILDERS",
-    "PAD_ID",
-    "PAD_MULTIPLE",
-    "SPECIAL_TOKENS",
-    "UNLABELLED_SPLIT",
-    "VALIDATION_SPLIT",
-    "BucketSampler",
-    "Encoded",
-    "RawSplit",
-    "batch_width",
-    "cache_key",
-    "cached_encode",
-    "cached_tokenizer",
-    "check_classes",
-    "collate",
-    "encode_texts",
-    "keys_of_test_texts",
-    "label_ids",
-    "label_names_of",
-    "length_batches",
-    "load_splits",
-    "local_paths",
-    "named_files",
-    "open_dataset",
-    "open_dataset_files",
-    "open_text_source",
-    "read_pseudo_labels",
-    "sample_indices",
-    "source_files",
-    "stratified_split",
-    "text_chunks",
-    "text_keys",
-    "text_normalizer",
-    "train_tokenizer",
-    "train_val_splits",
-    "truncate",
-    "unread_split_hint",
-]
-
 EVAL_SUBSET_SEED = 0  # evaluate --max-samples N draws the same N reviews for every model
 
 
