@@ -1,3 +1,4 @@
+import errno
 import os
 from pathlib import Path
 
@@ -19,11 +20,12 @@ def test_failed_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
     fileio.atomic_write_bytes(path, b"old")
 
     def broken_replace(src, dst):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(fileio.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="No space left on device") as e:
         fileio.atomic_write_bytes(path, b"new")
+    assert e.value.filename == str(path)  # the file asked for, not its temporary name
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["f.bin"]
 
@@ -61,12 +63,13 @@ def test_files_written_together_are_all_replaced_or_none(tmp_path, monkeypatch, 
 
     def disk_full_on(fd):  # the write of `failing` fails once its bytes are handed over
         if os.readlink(f"/proc/self/fd/{fd}").endswith(f".{failing}.tmp-{os.getpid()}"):
-            raise OSError("disk full")
+            raise OSError(errno.ENOSPC, "No space left on device")
         fsync(fd)
 
     monkeypatch.setattr(fileio.os, "fsync", disk_full_on)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="No space left on device") as e:
         fileio.atomic_write_together(files)
+    assert e.value.filename == str(tmp_path / failing)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {"a.tokenizer.json": b"old", "a.onnx": b"old"}
     monkeypatch.setattr(fileio.os, "fsync", fsync)
     fileio.atomic_write_together(files)

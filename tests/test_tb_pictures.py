@@ -166,7 +166,7 @@ def test_attention_maps_are_the_attention_the_model_applies(norm, pos_emb):
         assert torch.allclose(att.sum(-1), torch.ones(2, 4, 9))
         assert (att[1, :, :, 6:] == 0).all()  # no attention on padding
         attn = block.attn
-        v = attn.qkv(x)[..., 64:].view(2, 9, 4, 8).transpose(1, 2)  # (B, H, T, Dh)
+        _, _, v = attn.heads(x)  # (B, H, T, Dh): values are not rotated
         mixed = (att @ v).transpose(1, 2).reshape(2, 9, 32)  # (B, T, C)
         torch.testing.assert_close(attn.proj(mixed), out, atol=1e-5, rtol=1e-5)
     assert not model.training and all(not b.attn._forward_pre_hooks for b in model.encoder.blocks)

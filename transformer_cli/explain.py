@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_cli.data import CONTINUATION, PAD_ID, encode_texts
+from transformer_cli.data import PAD_ID, encode_texts
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
 
@@ -122,25 +122,7 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
     ids = review_ids(tokenizer, texts, cfg.data)
     explained = [explain_ids(model, tokenizer, row, labels.index(p["label"]), steps or IG_STEPS, temperature, cut)
                  for row, p, cut in zip(ids, predictions, cut_positions(tokenizer, texts, ids, cfg.data))]
-    if type(tokenizer.model).__name__ == "BPE":  # its pieces carry no continuation mark: give them WordPiece's
-        for e, text, row in zip(explained, texts, ids):
-            e.tokens = marked_continuations(tokenizer, text, row, e.cut) or e.tokens
     return explained
-
-
-def marked_continuations(tokenizer, text: str, row: torch.Tensor, cut: int | None) -> list[str] | None:
-    """The pieces of `row` (review_ids' of `text`, [CLS] first), each that continues the word of the piece
-    before it marked with CONTINUATION as WordPiece marks its own (never across the `cut`), the words
-    told by the tokenizer's encoding of the whole text; None where that encoding's kept pieces are not
-    `row`'s."""
-    enc = tokenizer.encode(text, add_special_tokens=False)
-    n, total = len(row) - 1, len(enc.ids)
-    kept = list(range(n)) if cut is None else [*range(cut), *range(total - (n - cut), total)]
-    if len(kept) != n or [enc.ids[k] for k in kept] != row[1:].tolist():
-        return None
-    words = enc.word_ids
-    return [CONTINUATION + enc.tokens[k] if i and i != cut and words[k] is not None and words[k] == words[kept[i - 1]]
-            else enc.tokens[k] for i, k in enumerate(kept)]
 
 
 # --------------------------------------------------------------------------- faithfulness

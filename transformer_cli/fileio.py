@@ -84,7 +84,7 @@ def _temp_name(path: Path) -> Path:
 def _name_the_file(e: BaseException, tmp: Path, path: Path) -> None:
     """An OSError about temp file `tmp`, or about no file (a failed write), made to name `path`, the file the user
     asked for."""
-    if isinstance(e, OSError) and e.filename in (None, str(tmp)):
+    if isinstance(e, OSError) and (e.filename == str(tmp) or e.filename is None and e.errno is not None):
         e.filename = str(path)
 
 
@@ -108,7 +108,7 @@ def atomic_write_together(files: dict[Path, bytes]) -> None:
         for tmp, path in temps:
             os.replace(tmp, path)
     except BaseException as e:
-        for tmp, path in temps:
+        for tmp, path in reversed(temps):  # the file being written when a write failed is the last one begun
             tmp.unlink(missing_ok=True)
             _name_the_file(e, tmp, path)
         raise

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from transformer_cli.config import Config, DataConfig
+from transformer_cli.config import Config
 from transformer_cli.data import CLS_ID, DEFAULT_LABELS, SPECIAL_TOKENS, encode_texts, text_normalizer
 from transformer_cli.errors import TfmError
 from transformer_cli.model import CTransformer, SelfAttention
@@ -91,7 +91,7 @@ def sample_ids(text: str, model: CTransformer, tokenizer=None, data_cfg=None) ->
         return torch.from_numpy(ids.astype(np.int64))[None]
     from tokenizers.pre_tokenizers import BertPreTokenizer
 
-    text = text_normalizer(data_cfg or DataConfig()).normalize_str(text)
+    text = text_normalizer().normalize_str(text)
     n = len(BertPreTokenizer().pre_tokenize_str(text)[: max_length - 1])
     first, vocab = len(SPECIAL_TOKENS), model.encoder.tok_emb.num_embeddings
     stand_in = [first + i % max(1, vocab - first) for i in range(n)]
@@ -180,7 +180,7 @@ def _with_unrun_modules(model: nn.Module, rows: list[Row]) -> list[Row]:
     """`rows` with a row for each module that the forward pass read without calling it (torchinfo
     records calls only: the learned position embedding, whose table is sliced), after its elder
     siblings, so that the rows' parameters add up to their parent's; and a module that was not called
-    but whose children were (the encoder: the classifier calls its `embed` and `contextualize`) shows
+    but whose children were shows
     what went in (its first child's input) and came out (its last child's output)."""
     rows = list(rows)
     shown = {r.name for r in rows}
