@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_cli.calibration import expected_calibration_error, softmax, temperature_of
+from transformer_cli.card import write_card
 from transformer_cli.checkpoint import (
     CONFIG_FILE,
     MODEL_FILE,
@@ -293,6 +294,11 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
                                       temperature)
     metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep, "compute_dtype": rt.precision,
                     "temperature": temperature})  # not "precision": that is a class's metric
+    if split == "test" and data is None and max_samples is None and columns == {}:  # the run's own test split
+        try:
+            write_card(model_dir, test=metrics)
+        except OSError:
+            pass  # a model directory that cannot be written (read-only, say) keeps its card
     if report is not None:
         from transformer_cli.report import write_report  # imports matplotlib
 

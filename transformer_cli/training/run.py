@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from transformer_cli import checkpoint as ckpt
+from transformer_cli.card import write_card
 from transformer_cli.config import FORMAT_VERSION, Config, TrainConfig, saved_config
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import (
@@ -353,6 +354,7 @@ def run_to_end(rt: Runtime, make_run, finish, resume: bool | str, progress: bool
             if rt.is_main:  # config.json says how long the run trained: a time budget decides it only at run time
                 meta = read_json(run.out / ckpt.CONFIG_FILE, "config")
                 write_json(run.out / ckpt.CONFIG_FILE, {**meta, "steps": run.state.step})
+                write_card(run.out)
             return metrics
         finally:
             logger.close()
@@ -392,6 +394,8 @@ def run_metrics(run: Run) -> dict:
         "device": str(run.rt.device),
         "world_size": run.rt.world_size,
         "num_params": sum(p.numel() for p in run.model.parameters()),
+        "num_train": run.task.num_train,
+        "num_val": run.task.num_val,
         "select_metric": run.task.select_metric,
         "stopped_early": reason == "patience",
         "stop_reason": reason,
