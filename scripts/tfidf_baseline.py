@@ -7,7 +7,7 @@ baseline's.
 
 Needs scikit-learn, which tfm itself does not: `pip install scikit-learn`.
 
-    python scripts/tfidf_baseline.py --data ../shared/data/imdb
+    python scripts/tfidf_baseline.py --data path/to/imdb
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import numpy as np
 from transformer_cli.errors import TfmError
 
 
-def splits(data: str, seed: int, val_block: int) -> tuple:
-    """(train, validation, test) as `tfm train --seed SEED data.val_block=VAL_BLOCK` would have them."""
+def splits(data: str, seed: int) -> tuple:
+    """(train, validation, test) as `tfm train --seed SEED` would have them."""
     from transformer_cli.config import DataConfig
     from transformer_cli.data import load_splits, train_val_splits
 
-    cfg = DataConfig(source=data, val_block=val_block)
+    cfg = DataConfig(source=data)
     train, val, label_names, _ = train_val_splits(cfg, seed, ("test",))
     return train, val, load_splits(cfg, ("test",), label_names=label_names)[0]["test"]
 
@@ -35,7 +35,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="stanfordnlp/imdb")
     ap.add_argument("--seed", type=int, default=1337, help="the split seed (tfm train --seed)")
-    ap.add_argument("--val-block", type=int, default=1, help="hold out runs of this many reviews (tfm's data.val_block)")
     ap.add_argument("--C", type=float, default=10.0, help="inverse regularisation strength")
     args = ap.parse_args()
 
@@ -45,7 +44,7 @@ def main() -> None:
     except ImportError as e:  # (e says which module: scikit-learn itself, or one it needs)
         raise TfmError(f"this baseline needs scikit-learn, which tfm does not (pip install scikit-learn): {e}") from None
 
-    train, val, test = splits(args.data, args.seed, args.val_block)
+    train, val, test = splits(args.data, args.seed)
 
     t0 = time.perf_counter()
     vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=2)
