@@ -423,10 +423,9 @@ def serve(
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     drain_timeout: Annotated[float, typer.Option(help="Seconds SIGTERM waits for requests in flight (a stalled "
                                                  "upload, say) before it closes their connections.")] = 30.0,
-    workers: Annotated[int | None, typer.Option(min=1, help="Server processes sharing the port, each with the "
-                                                "model and a share of the CPU threads. Default: one per torch "
-                                                "thread, up to 4, on a CPU under Linux; else 1.",
-                                                show_default=False)] = None,
+    workers: Annotated[int, typer.Option(min=1, help="Server processes (uvicorn's workers), each loading the model "
+                                         "and batching the requests it accepts; above 1 needs a --port other "
+                                         "than 0.")] = 1,
     device: Device = "auto",
     precision: InferPrecision = None,
 ) -> None:

@@ -1,39 +1,26 @@
-"""`tfm serve`: a trained model behind HTTP, loaded once, with concurrent requests batched together.
+"""`tfm serve`: a trained model behind HTTP (FastAPI on uvicorn), loaded once, with concurrent requests batched.
 
-FastAPI on uvicorn: both well kept, async (many open requests cost no threads), pydantic validates
-the request bodies, and uvicorn shuts down gracefully. The serve extra installs httptools and uvloop,
-which uvicorn then takes for parsing HTTP and for the event loop: the loop's work per request is a
-share of the server's time at many clients (docs/serving.md). Routes: POST /predict {"texts": [...]} ->
-{"predictions": [one object per text, as `tfm predict --json` prints it]}, GET /health, GET /metadata.
-POST /predict, where the load goes, is a plain ASGI function in front of the FastAPI app: FastAPI's
-routing and middleware cost a request as much CPU as the rest of its HTTP work (docs/serving.md).
-
-Requests go into a queue; one batcher task takes the first waiting request, adds those already
-waiting and those that arrive within `max_wait_ms`, up to `max_batch_size` texts, but stops waiting
-once every open connection has its request in the batch (no one else could join it). It runs the
-model on them in one worker thread, so the event loop keeps accepting and answering while it runs;
-then it hands each request its slice of the results. Errors are JSON {"error": "..."} with a 4xx status for
-bad requests (400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many
-texts) and 500 for a failure of the model; the server keeps serving after each. SIGTERM or Ctrl-C
-stops accepting connections, lets the requests in flight finish, and exits 0.
-
-On a CPU under Linux several such server processes share the port (`serve_processes`), each with its
-own socket: one process's event loop leaves the CPUs part idle at many clients (docs/serving.md).
+Routes: POST /predict {"texts": [...]} -> {"predictions": [one object per text, as `tfm predict --json` prints
+it]}, GET /health, GET /metadata. Requests go into a queue; a batcher task gathers those that come together into
+one model call, run in one worker thread so that the event loop keeps answering meanwhile. Errors are JSON
+{"error": "..."}: 400 invalid JSON, 413 body too large, 422 wrong or missing fields, empty or too many texts,
+404 and 405 for other routes, 500 for a failure of the model; the server keeps serving after each. SIGTERM or
+Ctrl-C stops accepting connections, lets the requests in flight finish, and returns. With `workers` above 1,
+uvicorn runs that many server processes on the port, each loading the model and batching its own requests.
 """
 
 import asyncio
 import contextlib
 import dataclasses
-import gc
-import inspect
+import http.client
 import json
 import logging
 import math
 import os
 import signal
 import socket
-import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,11 +29,11 @@ import torch
 
 from transformer_cli import __version__
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import CPU_WORKERS, Loaded, load_for_inference, predict_loaded, warm_up
+from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded, warm_up
 from transformer_cli.fileio import read_json
-from transformer_cli.runtime import resolve_device
 
 USAGE = 'send {"texts": ["a review", ...]}'
+SETTINGS = "TFM_SERVE"  # environment variable: serve()'s arguments, for the app of each of uvicorn's processes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,151 +56,76 @@ class Limits:
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
-          device: str = "auto", precision: str | None = None, workers: int | None = None,
+          device: str = "auto", precision: str | None = None, workers: int = 1,
           on_ready: Callable[[str], None] = print) -> None:
-    """Load the model, open the port, serve until SIGTERM or Ctrl-C. `on_ready` gets the URL once the
-    server accepts requests (port 0: a free port, named there). `workers` server processes share the
-    port (None: default_workers); each loads the model and batches the requests that reach it."""
+    """Load the model, open the port, serve until SIGTERM or Ctrl-C. `on_ready` gets the URL once requests are
+    answered (port 0: a free port, named there). `workers` above 1: uvicorn's server processes, each with the
+    model and an even share of the torch threads; `on_ready` is called once the first of them answers."""
     _require("fastapi", "uvicorn")
-    workers = default_workers(device) if workers is None else workers
     if workers < 1:
         raise UsageError(f"--workers must be 1 or more, not {workers}")
-    if workers == 1:
-        serve_here(model_dir, lambda: bind(host, port), limits, device, precision, workers, on_ready)
-    else:
-        serve_processes(model_dir, host, port, limits, device, precision, workers, on_ready)
-
-
-def default_workers(device: str) -> int:
-    """Server processes `tfm serve` starts by default: on a CPU under Linux, one per torch thread up to
-    evaluate's CPU_WORKERS; one process has a single event loop, whose work per request leaves the
-    CPUs part idle at many clients (docs/serving.md). Elsewhere 1: a GPU runs one batch at a time
-    anyway, and other systems' SO_REUSEPORT does not spread connections over processes."""
-    if not sys.platform.startswith("linux") or resolve_device(device).type != "cpu":
-        return 1
-    return max(1, min(torch.get_num_threads(), CPU_WORKERS))
-
-
-def serve_here(model_dir: str | Path, open_socket: Callable[[], socket.socket], limits: Limits, device: str,
-               precision: str | None, workers: int, on_ready: Callable[[str], None]) -> None:
-    """Serve in this process on the socket `open_socket()` makes once the model is loaded and warm."""
+    if workers > 1 and port == 0:
+        raise UsageError(f"--workers {workers} needs a --port other than 0 (uvicorn's processes pick no free port)")
     import uvicorn
 
-    loaded = load_for_inference(model_dir, device, precision)
-    warm_up(loaded, limits.batch_size)  # first-call costs (allocator, oneDNN's kernels) paid before serving
-    metadata = model_metadata(model_dir, loaded, limits, workers)
-    sock = open_socket()
+    loaded = load_for_inference(model_dir, device, precision)  # a bad directory fails here, before anything listens
+    sock = bind(host, port)
     url = f"http://{_url_host(sock.getsockname()[0])}:{sock.getsockname()[1]}"
+    options = {"log_level": "warning", "access_log": False, "lifespan": "on",
+               "timeout_graceful_shutdown": limits.drain_timeout}
+    if workers > 1:
+        sock.close()  # bound only to fail here, in one line, where the port is taken; uvicorn binds it again
+        del loaded  # each process loads its own
+        os.environ[SETTINGS] = json.dumps({
+            "model_dir": str(model_dir), "device": device, "precision": precision, "workers": workers,
+            "limits": dataclasses.asdict(limits), "threads": max(1, torch.get_num_threads() // workers)})
+        ready = threading.Event()
+        threading.Thread(target=_say_when_answering, args=(host, port, ready, lambda: on_ready(url)),
+                         daemon=True).start()
+        uvicorn.run("transformer_cli.serve:app_from_environment", factory=True, host=host, port=port,
+                    workers=workers, **options)
+        if not ready.is_set():
+            raise TfmError("the server processes stopped before answering a request")
+        return
+    warm_up(loaded, limits.batch_size)  # first-call costs paid before the first request
     server = None  # made below, with the app; the batcher asks it how many connections are open
-    app = make_app(loaded, metadata, limits, lambda: on_ready(url), lambda: open_connections(server))
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=limits.drain_timeout)
-    logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)  # after Config, which sets up the loggers
-    server = server_class()(config)
-    gc.collect()  # startup's garbage goes now, and what it kept (torch, the model, the app) leaves the
-    gc.freeze()  # collector, whose full passes over it stalled every request in flight (docs/serving.md)
-    server.run(sockets=[sock])  # run, not asyncio.run(serve): it sets up uvloop where installed
-
-
-def serve_processes(model_dir: str | Path, host: str, port: int, limits: Limits, device: str,
-                    precision: str | None, workers: int, on_ready: Callable[[str], None]) -> None:
-    """Serve from `workers` processes, each listening on host:port with SO_REUSEPORT, where the kernel
-    hands each new connection to one of them, and each with an even share of the torch threads. This
-    process starts them, says ready once all are, passes SIGTERM and Ctrl-C on to them, and fails
-    (stopping the rest) when one of them fails."""
-    if not sys.platform.startswith("linux"):
-        raise UsageError(f"--workers {workers} needs Linux, whose SO_REUSEPORT spreads connections over "
-                         "processes; pass --workers 1")
-    import multiprocessing
-
-    probe = bind(host, port, listen=False)  # fails as one process's bind would, with the port in use
-    address, port = probe.getsockname()[:2]  # port 0: the free one the processes share
-    probe.close()
-    reserved = bind(host, port, reuse_port=True, listen=False)  # the port is ours until the processes listen
-    threads = max(1, torch.get_num_threads() // workers)
-    spawn = multiprocessing.get_context("spawn")  # not fork: torch's thread pools do not survive a fork
-    processes, pipes = [], []
+    app = make_app(loaded, model_metadata(model_dir, loaded, limits, workers), limits, lambda: on_ready(url),
+                   lambda: open_connections(server))
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C, not cli.py's error
     try:
-        for _ in range(workers):
-            ours, theirs = spawn.Pipe()
-            process = spawn.Process(target=_serve_process, name="tfm-serve", args=(
-                theirs, model_dir, host, port, limits, device, precision, workers, threads))
-            process.start()
-            theirs.close()
-            processes.append(process)
-            pipes.append(ours)  # kept open while serving: a process whose pipe closes stops
-        for pipe in pipes:
-            try:
-                failure = pipe.recv()  # None once the process serves
-            except EOFError:
-                raise TfmError("a server process exited while starting (its error is above)") from None
-            if failure is not None:
-                raise failure
-    except BaseException:
-        for process in processes:
-            process.terminate()
-            process.join()
-        raise
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the signal again once it has shut down gracefully: a clean stop
+        pass
     finally:
-        reserved.close()
-    on_ready(f"http://{_url_host(address)}:{port}")
-    _supervise(processes)
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _serve_process(pipe, model_dir, host, port, limits, device, precision, workers, threads) -> None:
-    """A server process of serve_processes: serve, and say on `pipe` when ready or why not."""
-    os.setpgid(0, 0)  # out of the terminal's process group: Ctrl-C reaches the parent, which passes it on once
-    torch.set_num_threads(threads)
-    threading.Thread(target=_stop_with_parent, args=(pipe,), daemon=True).start()
-    try:
-        serve_here(model_dir, lambda: bind(host, port, reuse_port=True), limits, device, precision, workers,
-                   lambda url: pipe.send(None))
-    except TfmError as e:
-        pipe.send(e)
-        sys.exit(e.exit_code)
+def app_from_environment():
+    """The app of one of uvicorn's server processes (serve with `workers` above 1), from serve's SETTINGS."""
+    settings = json.loads(os.environ[SETTINGS])
+    torch.set_num_threads(settings["threads"])
+    limits = Limits(**settings["limits"])
+    loaded = load_for_inference(settings["model_dir"], settings["device"], settings["precision"])
+    warm_up(loaded, limits.batch_size)
+    # uvicorn does not show the app its server's open connections: each batch waits out max_wait_ms
+    return make_app(loaded, model_metadata(settings["model_dir"], loaded, limits, settings["workers"]), limits)
 
 
-def _stop_with_parent(pipe) -> None:
-    """SIGTERM this process (draining as usual) once its parent is gone: its end of `pipe` then closes."""
-    with contextlib.suppress(EOFError, OSError):
-        pipe.recv()  # the parent sends nothing
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _supervise(processes: list) -> None:
-    """Wait for the server processes, passing SIGTERM and SIGINT on to them; if one fails, stop the rest
-    and raise. Returns once all have exited 0 (after a signal, having drained their requests)."""
-    from multiprocessing.connection import wait
-
-    stopping = False
-
-    def stop(signum, frame=None) -> None:
-        nonlocal stopping
-        stopping = True
-        for process in processes:
-            if process.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signum)
-
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT)}
-    failed = None
-    try:
-        running = list(processes)
-        while running:
-            wait([process.sentinel for process in running])
-            for process in [process for process in running if not process.is_alive()]:
-                running.remove(process)
-                if process.exitcode != 0 and failed is None:
-                    failed = process
-                    if not stopping:
-                        stop(signal.SIGTERM)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    if failed is not None:
-        code = failed.exitcode
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        raise TfmError(f"server process {failed.pid} {how}; the others were stopped")
+def _say_when_answering(host: str, port: int, ready: threading.Event, on_ready: Callable[[], None]) -> None:
+    """Set `ready` and call `on_ready()` once a server process answers GET /health on host:port."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)  # every interface: loopback
+    while True:
+        connection = http.client.HTTPConnection(host, port, timeout=10)
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                break
+        connection.close()
+        time.sleep(0.1)
+    connection.close()
+    ready.set()
+    on_ready()
 
 
 def open_connections(server) -> float:
@@ -240,9 +152,8 @@ def _require(*modules: str) -> None:
             raise TfmError(f"tfm serve needs 'pip install transformer-cli[serve]' ({e})") from None
 
 
-def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
-    """A TCP socket on host:port, listening unless told not to, or a one-line error saying why not.
-    `reuse_port`: shared with this user's other sockets that set it (SO_REUSEPORT, Linux)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port, or a one-line error saying why not."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -250,12 +161,9 @@ def bind(host: str, port: int, reuse_port: bool = False, listen: bool = True) ->
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind(address)
-        if listen:
-            sock.listen(2048)
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise TfmError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
@@ -287,7 +195,7 @@ def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits, worker
         "temperature": temperature,  # the calibration that predictions divide the logits by
         "training_metrics": metrics,
         "limits": dataclasses.asdict(limits),
-        "workers": workers,  # server processes, each answering the connections the kernel hands it
+        "workers": workers,  # server processes, each answering the connections that reach it
     }
 
 
@@ -383,12 +291,11 @@ class ApiError(Exception):
         self.status = status
 
 
-def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None],
-             open_connections: Callable[[], float]):
-    """The ASGI app around a model from load_for_inference: /predict (`predict`) in front of a FastAPI app
-    with the other routes and the 404/405 answers to the rest. `open_connections()`: how many HTTP
-    connections the server holds open now."""
-    from fastapi import FastAPI
+def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[[], None] = lambda: None,
+             open_connections: Callable[[], float] = lambda: math.inf):
+    """The FastAPI app around a model from load_for_inference. `on_ready()` is called once it serves;
+    `open_connections()`: how many HTTP connections the server holds open now."""
+    from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, ValidationError
     from starlette.exceptions import HTTPException
@@ -397,10 +304,19 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
         model_config = ConfigDict(extra="forbid", strict=True)
         texts: list[str]
 
+    class Prediction(BaseModel):
+        label: str
+        score: float
+        probabilities: dict[str, float]
+
+    class PredictResponse(BaseModel):
+        predictions: list[Prediction]
+
     batcher = Batcher(lambda texts: predict_loaded(loaded, texts, limits.batch_size), limits, open_connections)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        logging.getLogger("uvicorn.error").addFilter(_no_cancelled_traceback)
         task = asyncio.create_task(batcher.run())
         on_ready()
         try:
@@ -412,11 +328,16 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
             batcher.worker.shutdown(wait=True)
 
     app = FastAPI(title="tfm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, **no_telemetry(FastAPI))
+                  openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse({"error": str(e)}, e.status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):  # 404, 405
-        return JSONResponse({"error": route_error(e.detail, request.method, request.url.path)}, e.status_code)
+        return JSONResponse({"error": route_error(e.detail, request.method, request.url.path)}, e.status_code,
+                            headers=e.headers)
 
     @app.get("/health")
     async def health() -> dict:
@@ -427,75 +348,53 @@ def make_app(loaded: Loaded, metadata: dict, limits: Limits, on_ready: Callable[
     async def get_metadata() -> dict:
         return metadata
 
-    async def predict(scope, receive, send) -> None:
+    @app.post("/predict", response_model=PredictResponse)
+    async def predict(request: Request):
         """{"texts": [...]} -> {"predictions": [one object per text]}, or {"error": "..."} with its status."""
+        body = await read_body(request, limits.max_body_bytes)
         try:
-            if scope["method"] != "POST":
-                raise ApiError(405, route_error("Method Not Allowed", scope["method"], scope["path"]))
-            body = await read_body(scope, receive, limits.max_body_bytes)
-            try:
-                texts = PredictRequest.model_validate_json(body).texts
-            except ValidationError as e:
-                raise validation_error(e) from None
-            check_texts(texts, limits.max_texts)
-            answer = asyncio.ensure_future(batcher(texts))
-            gone = asyncio.ensure_future(disconnected(receive))
-            try:
-                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-            if not answer.done():  # the client went away: its texts leave the queue before the model reads them
-                answer.cancel()
-                raise ApiError(400, "the client closed the connection before its answer")  # sent to no one
-            try:
-                status, answered = 200, {"predictions": answer.result()}
-            except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
-                raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
-        except ApiError as e:
-            status, answered = e.status, {"error": str(e)}
-        payload = json.dumps(answered).encode()
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+            texts = PredictRequest.model_validate_json(body).texts
+        except ValidationError as e:
+            raise validation_error(e) from None
+        check_texts(texts, limits.max_texts)
+        answer = asyncio.ensure_future(batcher(texts))
+        gone = asyncio.ensure_future(disconnected(request.receive))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():  # the client went away: its texts leave the queue before the model reads them
+            answer.cancel()
+            raise ApiError(400, "the client closed the connection before its answer")  # sent to no one
+        try:
+            return {"predictions": answer.result()}
+        except Exception as e:  # noqa: BLE001 (a failure of the model: this request fails, the server serves on)
+            raise ApiError(500, f"prediction failed: {type(e).__name__}: {e}") from None
 
-    async def serve_app(scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] == "/predict":
-            await predict(scope, receive, send)
-        else:
-            await app(scope, receive, send)
-
-    return serve_app
-
-
-def no_telemetry(fastapi_class) -> dict:
-    """FastAPI's options that turn its own OpenTelemetry off, where it has it (newer versions): tfm serve
-    exports no traces or metrics, yet FastAPI looks for a configured provider on every request, which
-    the event loop's time per request at many clients can ill afford (docs/serving.md)."""
-    if "telemetry" not in inspect.signature(fastapi_class).parameters:
-        return {}
-    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}}
+    return app
 
 
 def route_error(detail: str, method: str, path: str) -> str:
     return f"{detail}: {method} {path}; this server has POST /predict, GET /health and GET /metadata"
 
 
-async def read_body(scope, receive, limit: int) -> bytes:
+async def read_body(request, limit: int) -> bytes:
     """The request's body, refused with 413 as soon as it is known to be over `limit` bytes."""
-    declared = dict(scope["headers"]).get(b"content-length", b"")
+    from starlette.requests import ClientDisconnect
+
+    declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {int(declared)} bytes is over the limit of {limit} (--max-body-bytes)")
     chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":  # gone during its upload: nothing to answer
-            raise ApiError(400, "the client closed the connection during its request body")
-        chunks.append(message.get("body", b""))
-        size += len(chunks[-1])
-        if size > limit:
-            raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-bytes)")
+    except ClientDisconnect:  # gone during its upload: nothing to answer
+        raise ApiError(400, "the client closed the connection during its request body") from None
+    return b"".join(chunks)
 
 
 async def disconnected(receive) -> None:
@@ -524,20 +423,3 @@ def check_texts(texts: list[str], max_texts: int) -> None:
     for i, text in enumerate(texts):
         if not text.strip():
             raise ApiError(422, f"texts[{i}] is empty; every text must be a non-empty review")
-
-
-def server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, whose SIGTERM or Ctrl-C ends in exit code 0 after the graceful shutdown
-        (uvicorn's own raises the signal again once it is done)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-    return Server
-
