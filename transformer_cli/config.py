@@ -165,7 +165,10 @@ class DataConfig(_Section):
     # Tokens per training review (default: max_length). Shorter trains on cut reviews and still validates, tests and
     # predicts on max_length: attention's cost grows with length, and rotary positions read past where they trained.
     train_max_length: int | None = None
-    truncation: Literal["head", "head_tail"] = "head_tail"
+    truncation: Literal["head", "head_tail"] = "head_tail"  # how a review longer than max_length is cut
+    # windows: a review is read whole instead, in windows of max_length tokens whose logits are averaged (training
+    # reads one window of train_max_length or max_length a review, another each epoch)
+    long_text: Literal["truncate", "windows"] = "truncate"
     head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
     max_eval_samples: int | None = None

@@ -26,7 +26,7 @@ from transformer_cli.checkpoint import (
     read_tokenizer,
     refuse_pretrained_encoder,
 )
-from transformer_cli.config import FORMAT_VERSION, Config, check_device_and_precision, saved_config
+from transformer_cli.config import FORMAT_VERSION, Config, DataConfig, check_device_and_precision, saved_config
 from transformer_cli.data import (
     VALIDATION_SPLIT,
     Encoded,
@@ -35,6 +35,9 @@ from transformer_cli.data import (
     length_batches,
     local_paths,
     prepare_eval_data,
+    read_length,
+    window_bounds,
+    windows,
 )
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.fileio import read_json
@@ -62,57 +65,52 @@ def batched_logits(model, enc: Encoded, batches: list[np.ndarray], rt: Runtime, 
     return out
 
 
-def evaluate_model(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
-                   label_names: list[str] | None = None, logits: torch.Tensor | None = None) -> dict:
-    """Loss, and metrics_from_confusion's accuracy, macro-F1, per-class figures and confusion matrix.
-
-    Sums are reduced over ranks, so a distributed evaluation equals a single-process one. `logits`:
-    those of all of `enc` already computed (all_logits, maybe temperature-scaled): no forward pass.
-    """
-    was_training = model.training
-    model.eval()
-    t0 = time.perf_counter()
+def evaluate_model(enc: Encoded, rt: Runtime, batch_size: int, num_labels: int, logits: torch.Tensor,
+                   label_names: list[str] | None = None) -> dict:
+    """Loss, and metrics_from_confusion's accuracy, macro-F1, per-class figures and confusion matrix, of the
+    `logits` of all of `enc` (all_logits, maybe temperature-scaled). Each rank sums its own batches' examples and
+    the sums are reduced over ranks, so a distributed evaluation equals a single-process one."""
     batches = batches_for(enc, batch_size, rt)
-    try:
-        if logits is None:
-            logits = batched_logits(model, enc, batches, rt, num_labels)
-    finally:
-        model.train(was_training)
     mine = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
     logits, y = logits[torch.from_numpy(mine)].double(), enc.labels[mine]
     loss_sum = F.cross_entropy(logits, torch.from_numpy(y), reduction="sum").item() if len(mine) else 0.0
     confusion = np.zeros((num_labels, num_labels), dtype=np.float64)  # rows: true, cols: predicted
     np.add.at(confusion, (y, logits.argmax(-1).numpy()), 1)
-    elapsed = time.perf_counter() - t0
     reduced = rt.all_sum([loss_sum, *confusion.ravel().tolist()])
     loss_sum, confusion = reduced[0], np.array(reduced[1:]).reshape(num_labels, num_labels)
     out = metrics_from_confusion(confusion, label_names)
     out["loss"] = loss_sum / max(1, int(confusion.sum()))
-    out["examples_per_sec"] = len(enc) / elapsed if elapsed > 0 else 0.0
     return out
 
 
-def all_logits(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int) -> torch.Tensor:
+def all_logits(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
+               window: int | None = None) -> torch.Tensor:
     """(len(enc), num_labels) float32 logits of every example of `enc`, on every rank: each rank computes
-    its batches (batches_for) and the ranks' rows are summed. The model is in eval mode meanwhile."""
+    its batches (batches_for) and the ranks' rows are summed. With `window` (data.long_text = "windows"), the
+    mean of the logits of every window of that many tokens of each text. The model is in eval mode meanwhile."""
+    texts, owner = (enc, None) if window is None else windows(enc, window)
     was_training = model.training
     model.eval()
     try:
-        logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, num_labels)
+        logits = batched_logits(model, texts, batches_for(texts, batch_size, rt), rt, num_labels)
     finally:
         model.train(was_training)
     if rt.distributed:  # each row is non-zero on one rank only: the sum gathers them
         logits = torch.tensor(rt.all_sum(logits.ravel().tolist()), dtype=torch.float32).view_as(logits)
+    if owner is not None:
+        counts = torch.from_numpy(np.bincount(owner, minlength=len(enc))).clamp(min=1)[:, None]
+        logits = torch.zeros(len(enc), num_labels).index_add_(0, torch.from_numpy(owner), logits) / counts
     return logits
 
 
 def evaluate_scaled(model, enc: Encoded, rt: Runtime, batch_size: int, num_labels: int,
-                    label_names: list[str] | None = None, temperature: float = 1.0) -> tuple[dict, torch.Tensor]:
-    """(evaluate_model's metrics of logits / temperature, plus "ece"; those logits): one forward pass
-    whose logits the caller may reuse (plots, calibration)."""
+                    label_names: list[str] | None = None, temperature: float = 1.0,
+                    window: int | None = None) -> tuple[dict, torch.Tensor]:
+    """(evaluate_model's metrics of logits / temperature, plus "ece" and "examples_per_sec"; those logits): one
+    forward pass whose logits the caller may reuse (plots, calibration)."""
     t0 = time.perf_counter()
-    logits = all_logits(model, enc, rt, batch_size, num_labels) / temperature
-    metrics = evaluate_model(model, enc, rt, batch_size, num_labels, label_names, logits=logits)
+    logits = all_logits(model, enc, rt, batch_size, num_labels, window) / temperature
+    metrics = evaluate_model(enc, rt, batch_size, num_labels, logits, label_names)
     elapsed = time.perf_counter() - t0
     metrics["examples_per_sec"] = len(enc) / elapsed if elapsed > 0 else 0.0
     metrics["ece"] = expected_calibration_error(softmax(logits), enc.labels)
@@ -152,13 +150,21 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(a, b, out=np.zeros_like(a, dtype=np.float64), where=b > 0)
 
 
-def predict_proba(model, tokenizer, texts: list[str], max_length: int, truncation: str,
-                  head_fraction: float, rt: Runtime, batch_size: int = 64, temperature: float = 1.0) -> np.ndarray:
-    """(N, num_labels) probabilities of logits / temperature, in the order of `texts`. The model must be
-    in eval mode."""
-    ids, offsets = encode_texts(tokenizer, texts, max_length, truncation, head_fraction)
-    enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
-    logits = batched_logits(model, enc, batches_for(enc, batch_size, rt), rt, model.head.out_features)
+def window_of(cfg: DataConfig) -> int | None:
+    """The window length inference reads whole reviews in (data.long_text = "windows"), else None."""
+    return cfg.max_length if cfg.long_text == "windows" else None
+
+
+def encode_reviews(tokenizer, texts: list[str], cfg: DataConfig) -> Encoded:
+    """Reviews encoded as the model reads them (truncated, or whole for windows), with no labels."""
+    ids, offsets = encode_texts(tokenizer, texts, read_length(cfg), cfg.truncation, cfg.head_fraction)
+    return Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
+
+
+def predict_proba(model, enc: Encoded, cfg: DataConfig, rt: Runtime, batch_size: int = 64,
+                  temperature: float = 1.0) -> np.ndarray:
+    """(N, num_labels) probabilities of logits / temperature of encode_reviews' texts, in their order."""
+    logits = all_logits(model, enc, rt, batch_size, model.head.out_features, window_of(cfg))
     return softmax(logits, temperature)
 
 
@@ -246,17 +252,14 @@ def predict_texts(model_dir: str | Path, texts: list[str], device: str = "auto",
 def predict_loaded(loaded: Loaded, texts: list[str], batch_size: int = 64) -> list[dict]:
     """predict_texts with a model already loaded by load_for_inference (`tfm serve` loads it once)."""
     rt, model, cfg, tokenizer, labels, temperature = loaded
-    d = cfg.data
-    probs = predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt, batch_size,
-                          temperature)
-    return [
-        {
-            "label": labels[int(p.argmax())],
-            "score": float(p.max()),
-            "probabilities": {name: float(q) for name, q in zip(labels, p)},
-        }
-        for p in probs
-    ]
+    enc = encode_reviews(tokenizer, texts, cfg.data)
+    probs = predict_proba(model, enc, cfg.data, rt, batch_size, temperature)
+    results = [{"label": labels[int(p.argmax())], "score": float(p.max()),
+                "probabilities": {name: float(q) for name, q in zip(labels, p)}} for p in probs]
+    if cfg.data.long_text == "windows":  # how many windows each review was read in
+        for r, n in zip(results, enc.lengths):
+            r["windows"] = len(window_bounds(int(n), cfg.data.max_length)) - 1
+    return results
 
 
 def warm_up(loaded: Loaded, batch_size: int = 64) -> None:
@@ -291,7 +294,7 @@ def evaluate_checkpoint(model_dir: str | Path, data: str | None = None, split: s
         raise UsageError(f"{e}; evaluate the part the run validated on with --split {VALIDATION_SPLIT}") from None
     prep = time.perf_counter() - t0
     metrics, logits = evaluate_scaled(model, enc, rt, batch_size or cfg.train.eval_batch_size, len(labels), labels,
-                                      temperature)
+                                      temperature, window_of(cfg.data))
     metrics.update({"split": split, "data": cfg.data.source, "data_prep_sec": prep, "compute_dtype": rt.precision,
                     "temperature": temperature})  # not "precision": that is a class's metric
     if split == "test" and data is None and max_samples is None and columns == {}:  # the run's own test split

@@ -29,7 +29,7 @@ import torch
 from transformer_cli import __version__
 from transformer_cli.calibration import softmax
 from transformer_cli.checkpoint import read_tokenizer
-from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts, length_batches
+from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts, length_batches, windows
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.fileio import atomic_write_together, check_output_path
@@ -57,6 +57,7 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     proto = onnx.load_from_string(_trace(Calibrated(reference_model(model.model), temperature), cfg.data.max_length))
     d = cfg.data
     meta = {"labels": json.dumps(labels), "max_length": d.max_length, "truncation": d.truncation,
+            "long_text": d.long_text,
             "head_fraction": d.head_fraction, "tokenizer": tokenizer_file.name, "cls_id": CLS_ID, "pad_id": PAD_ID,
             "temperature": temperature, "version": __version__}
     onnx.helper.set_model_props(proto, {f"tfm.{k}": str(v) for k, v in meta.items()})
@@ -173,6 +174,7 @@ class OnnxClassifier:
             self.labels = json.loads(meta["tfm.labels"])
             self.max_length, self.truncation = int(meta["tfm.max_length"]), meta["tfm.truncation"]
             self.head_fraction = float(meta["tfm.head_fraction"])
+            self.windowed = meta.get("tfm.long_text") == "windows"  # reviews read whole, in windows
             tokenizer_path = path.with_name(meta["tfm.tokenizer"])
         except (KeyError, ValueError) as e:
             raise TfmError(f"'{path}' is not a `tfm export` file (its metadata lacks {e})") from None
@@ -181,7 +183,8 @@ class OnnxClassifier:
         self.tokenizer = read_tokenizer(tokenizer_path)
 
     def encode(self, texts: list[str]) -> Encoded:
-        ids, offsets = encode_texts(self.tokenizer, texts, self.max_length, self.truncation, self.head_fraction)
+        length = None if self.windowed else self.max_length
+        ids, offsets = encode_texts(self.tokenizer, texts, length, self.truncation, self.head_fraction)
         return Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
 
     def logits(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -189,10 +192,15 @@ class OnnxClassifier:
         return self.runner.run([OUTPUT], {"ids": ids.astype(np.int64), "mask": mask.astype(bool)})[0]
 
     def proba(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """(N, num_labels) probabilities in the order of `texts`, batched by length as predict batches."""
-        enc = self.encode(texts)
-        out = np.zeros((len(texts), len(self.labels)), dtype=np.float64)
+        """(N, num_labels) probabilities in the order of `texts`, batched by length as predict batches; with
+        windows, of the mean logits of each review's windows. The graph has divided them by the temperature."""
+        enc, owner = self.encode(texts), np.arange(len(texts))
+        if self.windowed:
+            enc, owner = windows(enc, self.max_length)
+        logits = np.zeros((len(enc), len(self.labels)), dtype=np.float64)
         for idx in length_batches(enc.lengths, batch_size):
             ids, mask, _ = collate(enc, idx)
-            out[idx] = softmax(self.logits(ids, mask))  # as predict_proba (the graph divides by the temperature)
-        return out
+            logits[idx] = self.logits(ids, mask)
+        mean = np.zeros((len(texts), len(self.labels)))
+        np.add.at(mean, owner, logits)
+        return softmax(mean / np.bincount(owner, minlength=len(texts))[:, None])

@@ -29,7 +29,7 @@ from transformer_cli.data import (
     unread_split_hint,
 )
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.evaluate import load_for_inference, predict_proba
+from transformer_cli.evaluate import encode_reviews, load_for_inference, predict_proba
 from transformer_cli.fileio import atomic_writer, check_output_path
 
 SUBSET_SEED = 0  # --max-samples draws the same reviews every time
@@ -103,9 +103,8 @@ def pseudo_label(teachers: list[Path], output: Path, data: str | None = None, sp
         for texts in text_chunks([table], column, CHUNK_TEXTS):
             probs = np.zeros((len(texts), len(labels)))
             for (rt, model, cfg, tokenizer, _, temperature), order in zip(loaded, columns):
-                d = cfg.data
-                probs += predict_proba(model, tokenizer, texts, d.max_length, d.truncation, d.head_fraction, rt,
-                                       batch_size, temperature)[:, order]
+                enc = encode_reviews(tokenizer, texts, cfg.data)
+                probs += predict_proba(model, enc, cfg.data, rt, batch_size, temperature)[:, order]
             probs /= len(teachers)
             winner, score = probs.argmax(1), probs.max(1)
             f.write("".join(json.dumps({"text": text, "label": labels[k], "score": round(float(p), 6)}) + "\n"

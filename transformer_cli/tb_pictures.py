@@ -115,7 +115,8 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     if writer is None or not len(enc):
         return
     i = pick_review(enc)
-    ids_np = enc.ids[enc.offsets[i] : enc.offsets[i + 1]][:ATTENTION_TOKENS].astype(np.int64)
+    drawn = min(ATTENTION_TOKENS, model.encoder.max_length)  # a windowed run's review may be longer than it reads
+    ids_np = enc.ids[enc.offsets[i] : enc.offsets[i + 1]][:drawn].astype(np.int64)
     device = next(model.parameters()).device
     ids = torch.from_numpy(ids_np)[None].to(device)  # (1, T)
     mask = torch.ones_like(ids, dtype=torch.bool)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from transformer_cli.config import DataConfig
-from transformer_cli.data.batching import BucketSampler, batch_width, collate, length_batches
+from transformer_cli.data.batching import BucketSampler, batch_width, collate, length_batches, window_bounds, windows
 from transformer_cli.data.sources import (
     DEFAULT_LABELS,
     FILE_BUILDERS,
@@ -41,6 +41,7 @@ from transformer_cli.data.text import (
     cached_encode,
     cached_tokenizer,
     encode_texts,
+    read_length,
     text_keys,
     text_normalizer,
     train_tokenizer,

@@ -82,3 +82,28 @@ def length_batches(lengths: np.ndarray, batch_size: int, max_tokens: int | None 
     if start < len(order):
         batches.append(order[start:])
     return batches
+
+
+def window_bounds(length: int, window: int) -> np.ndarray:
+    """(n + 1,) token positions cutting a text of `length` tokens ([CLS] first) into the fewest near-equal windows
+    whose tokens after [CLS] fit `window` - 1: window k is [CLS] + tokens bounds[k]:bounds[k + 1]."""
+    n = max(1, -(-(length - 1) // (window - 1)))
+    return 1 + np.arange(n + 1) * (length - 1) // n
+
+
+def windows(enc: Encoded, window: int, pick: np.ndarray | None = None) -> tuple[Encoded, np.ndarray]:
+    """Each text of `enc` as windows of at most `window` tokens, each [CLS] + a stretch of the text: all of them,
+    or, with `pick` ((N,) ints), window pick[i] % n_i of text i alone. Returns (the windows, each one's text)."""
+    rows, owner = [], []
+    for i in range(len(enc)):
+        text = enc.ids[enc.offsets[i] : enc.offsets[i + 1]]
+        bounds = window_bounds(len(text), window)
+        ks = range(len(bounds) - 1) if pick is None else [int(pick[i]) % (len(bounds) - 1)]
+        for k in ks:
+            rows.append(np.concatenate([text[:1], text[bounds[k] : bounds[k + 1]]]))
+            owner.append(i)
+    owner = np.asarray(owner, dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([len(r) for r in rows], out=offsets[1:])
+    ids = np.concatenate(rows) if rows else enc.ids[:0]
+    return Encoded(ids.astype(np.int32), offsets, enc.labels[owner]), owner

@@ -166,22 +166,29 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
 ENCODE_CHUNK = 4096  # texts encoded at a time: memory stays bounded on any number of texts
 
 
-def encode_texts(tokenizer, texts: list[str], max_length: int, truncation: str, head_fraction: float):
-    """(flat int32 ids, (N + 1,) offsets): each text as [CLS] + its truncated subword ids. Special tokens'
-    text in a review ("[PAD]", "[CLS]") is encoded as words, not as those ids."""
+def encode_texts(tokenizer, texts: list[str], max_length: int | None, truncation: str, head_fraction: float):
+    """(flat int32 ids, (N + 1,) offsets): each text as [CLS] + its subword ids, truncated to `max_length` tokens
+    (None: whole). Special tokens' text in a review ("[PAD]", "[CLS]") is encoded as words, not as those ids."""
     tokenizer.encode_special_tokens = True
-    limit, rows = max_length - 1, []
+    limit, rows = (max_length or 0) - 1, []
     for start in range(0, len(texts), ENCODE_CHUNK):
         for e in tokenizer.encode_batch_fast(texts[start : start + ENCODE_CHUNK], add_special_tokens=False):
-            rows.append(np.array([CLS_ID, *truncate(e.ids, limit, truncation, head_fraction)], dtype=np.int32))
+            kept = e.ids if max_length is None else truncate(e.ids, limit, truncation, head_fraction)
+            rows.append(np.array([CLS_ID, *kept], dtype=np.int32))
     offsets = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum([len(r) for r in rows], out=offsets[1:])
     ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
     return ids, offsets
 
 
+def read_length(cfg: DataConfig) -> int | None:
+    """The tokens a review is encoded to: data.max_length, or None (whole) where data.long_text reads windows."""
+    return None if cfg.long_text == "windows" else cfg.max_length
+
+
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
-    key = cache_key(fingerprint, tokenizer.to_str(), cfg.max_length, cfg.truncation, cfg.head_fraction, ENCODING_VERSION)
+    key = cache_key(fingerprint, tokenizer.to_str(), read_length(cfg), cfg.truncation, cfg.head_fraction,
+                    ENCODING_VERSION)
     path = cache_dir() / f"encoded-{key}.npz"
     if path.is_file():
         try:
@@ -190,7 +197,7 @@ def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -
                     return Encoded(z["ids"], z["offsets"], raw.labels)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is rebuilt below
-    ids, offsets = encode_texts(tokenizer, raw.texts, cfg.max_length, cfg.truncation, cfg.head_fraction)
+    ids, offsets = encode_texts(tokenizer, raw.texts, read_length(cfg), cfg.truncation, cfg.head_fraction)
     try:
         buf = io.BytesIO()
         np.savez(buf, ids=ids, offsets=offsets)

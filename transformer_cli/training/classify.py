@@ -13,7 +13,7 @@ import torch
 from transformer_cli import calibration, tb_pictures
 from transformer_cli import checkpoint as ckpt
 from transformer_cli.config import Config
-from transformer_cli.data import Encoded, collate, prepare_eval_data, prepare_train_data
+from transformer_cli.data import Encoded, collate, prepare_eval_data, prepare_train_data, windows
 from transformer_cli.errors import UsageError
 from transformer_cli.evaluate import all_logits, evaluate_scaled
 from transformer_cli.fileio import (
@@ -40,18 +40,27 @@ class Classification:
     prefix = "train"
 
     def __init__(self, train: Encoded, val: Encoded, labels: list[str], eval_batch_size: int,
-                 select_metric: str = "accuracy", tokenizer=None, val_texts: list[str] | None = None):
+                 select_metric: str = "accuracy", tokenizer=None, val_texts: list[str] | None = None,
+                 window: int | None = None, train_window: int | None = None):
         self.train, self.val, self.labels = train, val, labels
+        self.window, self.train_window = window, train_window  # data.long_text = "windows": reviews read whole
         self.val_texts = val_texts  # val's reviews, to show where one was cut (TensorBoard pictures)
         self.tokenizer = tokenizer  # the run's, to show validation reviews as text (TensorBoard pictures)
         self.eval_batch_size = eval_batch_size
         self.select_metric = select_metric
         self.lengths, self.num_train, self.num_val = train.lengths, len(train), len(val)
+        if train_window is not None:
+            self.lengths = np.minimum(train.lengths, train_window)
         self.val_tokens = int(val.lengths.sum())
         self.val_logits: torch.Tensor | None = None  # of the last validation pass, for pictures and calibration
 
-    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
-        ids, mask, y = rt.tensors(*collate(self.train, idx))
+    def batch(self, rt: Runtime, idx: np.ndarray, epoch: int = 0) -> Batch:
+        """The reviews `idx`; with windows, one window of each, another each epoch."""
+        if self.train_window is None:
+            ids, mask, y = rt.tensors(*collate(self.train, idx))
+        else:
+            texts, _ = windows(self.train.subset(idx), self.train_window, pick=epoch + idx)
+            ids, mask, y = rt.tensors(*collate(texts, np.arange(len(idx))))
         return Batch((ids, mask, y), len(idx), len(idx), int(self.lengths[idx].sum()))
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -65,7 +74,7 @@ class Classification:
 
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
         m, self.val_logits = evaluate_scaled(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels),
-                                             self.labels)
+                                             self.labels, window=self.window)
         tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"], "val/ece": m["ece"]}
         return m, tags, selection_score(m, self.select_metric)
 
@@ -98,8 +107,11 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(data.labels))
     if tc.init_from and resume_dir is None:
         load_encoder(model.encoder, Path(tc.init_from))
+    d = cfg.data
+    windowed = d.long_text == "windows"
     task = Classification(data.train, data.val, data.labels, tc.eval_batch_size, tc.select_metric or "accuracy",
-                          data.tokenizer, data.val_texts)
+                          data.tokenizer, data.val_texts, d.max_length if windowed else None,
+                          (d.train_max_length or d.max_length) if windowed else None)
     files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
@@ -122,7 +134,7 @@ def finish(run: Run, logger: Logger) -> dict:
         test = prepare_eval_data(run.cfg.data, task.tokenizer, "test", run.cfg.data.max_eval_samples,
                                  label_names=task.labels)
         metrics["test"], _ = evaluate_scaled(run.model, test, run.rt, tc.eval_batch_size, len(task.labels), task.labels,
-                                             temperature)
+                                             temperature, task.window)
         logger.scalars(st.step, {"test/accuracy": metrics["test"]["accuracy"], "test/loss": metrics["test"]["loss"]})
     hp = {f"{s}.{k}": v for s, sec in run.cfg.to_dict().items() for k, v in sec.items() if v is not None}
     final = {"hparam/val_accuracy": st.best_val.get("accuracy", 0.0), "hparam/val_loss": st.best_val.get("loss", 0.0)}
@@ -143,7 +155,7 @@ def calibrate(run: Run, logger: Logger) -> dict:
     st, task = run.state, run.task
     logits = task.val_logits
     if logits is None or st.best_step != st.step:
-        logits = all_logits(run.model, task.val, run.rt, run.cfg.train.eval_batch_size, len(task.labels))
+        logits = all_logits(run.model, task.val, run.rt, run.cfg.train.eval_batch_size, len(task.labels), task.window)
     cal = calibration.calibrate(logits, task.val.labels)
     logger.scalars(st.step, {f"calibration/{k}": cal[k] for k in ("temperature", "ece_before", "ece_after")})
     if run.rt.is_main:

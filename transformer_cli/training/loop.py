@@ -261,7 +261,9 @@ class Task(Protocol):
     num_val: int
     val_tokens: int  # real tokens of the validation examples
 
-    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch: ...
+    def batch(self, rt: Runtime, idx: np.ndarray, epoch: int) -> Batch:
+        """The training examples `idx` of an epoch, on the device."""
+        ...
 
     def loss(self, engine: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(the objective to minimise, the statistics to log), each a mean over the batch's units."""
@@ -397,7 +399,7 @@ def train_steps(run: Run, total: int, stop: _StopFlag, elapsed: Callable[[], flo
             lr = lr_at(st.step, total, tc, elapsed())
             for g in run.optimizer.param_groups:
                 g["lr"] = lr * g.get("lr_scale", 1.0)
-            batches = [run.task.batch(run.rt, idx) for idx in groups[st.batch_in_epoch]]
+            batches = [run.task.batch(run.rt, idx, st.epoch) for idx in groups[st.batch_in_epoch]]
             result = train_step(run, batches, lambda: stop.signum is not None)
             result.lr, result.epoch = lr, st.epoch
             st.step += 1

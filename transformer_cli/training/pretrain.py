@@ -332,7 +332,7 @@ class MaskedLanguageModelling(PretrainingTask):
             tensors += (torch.from_numpy(np.where(mask.numpy(), positions, 0)),)
         return tensors, int(mask.sum())
 
-    def batch(self, rt: Runtime, idx: np.ndarray) -> Batch:
+    def batch(self, rt: Runtime, idx: np.ndarray, epoch: int = 0) -> Batch:
         tensors, tokens = self._masked(self.texts, self.train_idx[idx], self.starts)
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
