@@ -286,6 +286,27 @@ def pretrain(
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 
+@app.command("data", context_settings={"allow_extra_args": False})
+def data_(
+    overrides: Overrides = None, config: ConfigFile = None, data: Data = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    report: Annotated[Path | None, typer.Option(
+        help="Also write a histogram of each split's token lengths here, as PNG.", show_default=False)] = None,
+) -> None:
+    """Report on the data `tfm train` would read, before training: each split's examples, classes, lengths in
+    words and tokens, repeated texts within and across splits, conflicting labels, and warnings."""
+    cfg = _training_config("train", config, overrides, {"data.source": data}, False, None)
+    from transformer_cli.data.report import data_report, report_text
+
+    r = data_report(cfg, report)
+    if as_json:
+        typer.echo(json.dumps(r))
+        return
+    typer.echo(report_text(r))
+    for warning in r["warnings"]:
+        typer.echo(f"tfm: warning: {warning}", err=True)
+
+
 @app.command()
 def predict(
     texts: Annotated[list[str] | None, typer.Argument(help="Reviews to classify.", show_default=False)] = None,
