@@ -6,7 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import edit_config, tiny_config
+from conftest import edit_config
 
 from transformer_cli.calibration import (
     calibrate,
@@ -17,9 +17,8 @@ from transformer_cli.calibration import (
     softmax,
     temperature_of,
 )
-from transformer_cli.config import TrainConfig
 from transformer_cli.data import encode_texts
-from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.errors import TfmError
 from transformer_cli.evaluate import evaluate_checkpoint, load_model_dir, predict_texts
 
 
@@ -94,9 +93,22 @@ def test_ece_of_a_hand_worked_example():
 def test_calibration_lowers_the_ece_of_overconfident_logits():
     logits, labels = sampled(5000, 4, 3.0, seed=1)  # over-confident by 3x
     cal = calibrate(logits, labels)
-    assert cal["temperature"] == pytest.approx(3.0, rel=0.1)
+    assert cal["temperature"] == cal["fitted_temperature"] == pytest.approx(3.0, rel=0.1)
     assert cal["ece_after"] < cal["ece_before"] / 3 and cal["nll_after"] < cal["nll_before"]
     assert cal["ece_after"] == pytest.approx(expected_calibration_error(softmax(logits, cal["temperature"]), labels))
+
+
+def test_a_fitted_temperature_that_would_raise_the_ece_is_not_kept():
+    """The NLL's minimum need not lower the binned ECE: 30 reviews at 0.99 (3 wrong) pull T up, which moves 70
+    right ones at 0.6 further from their accuracy of 1. Then the model stays as it is (T = 1)."""
+    logits = torch.tensor([[2.3, -2.3]] * 30 + [[0.2, -0.2]] * 70)
+    labels = np.zeros(100, dtype=np.int64)
+    labels[:3] = 1
+    cal = calibrate(logits, labels)
+    assert cal["fitted_temperature"] > 1.05
+    assert expected_calibration_error(softmax(logits, cal["fitted_temperature"]), labels) > cal["ece_before"]
+    assert cal["temperature"] == 1.0
+    assert (cal["ece_after"], cal["nll_after"]) == (cal["ece_before"], cal["nll_before"])
 
 
 def test_temperature_of_a_config():
@@ -107,12 +119,6 @@ def test_temperature_of_a_config():
     for bad in (0, -1.0, float("nan"), "2", True, None, 1e-40, 0.0099, 100.5, float("inf")):
         with pytest.raises(TfmError, match="invalid calibration temperature"):
             temperature_of({"calibration": {"temperature": bad}})
-
-
-def test_train_calibrate_is_a_validated_setting():
-    assert TrainConfig().calibrate is True
-    with pytest.raises(UsageError, match="train.calibrate"):
-        TrainConfig(calibrate="yes")
 
 
 # --------------------------------------------------------------------------- trained runs
@@ -157,25 +163,17 @@ def test_evaluate_reports_the_ece_of_the_calibrated_probabilities(trained_dir, t
     assert m["loss"] == pytest.approx(-np.log(probs[np.arange(len(labels)), labels]).mean(), rel=1e-4)
 
 
-def test_calibrate_false_leaves_the_temperature_at_one(synthetic_data_dir, tmp_path, test_rows):
-    from transformer_cli.train import train
-
-    out = tmp_path / "run"
-    metrics = train(tiny_config(synthetic_data_dir, out, train__calibrate=False, train__epochs=1), progress=False)
-    assert "calibration" not in metrics
-    assert "calibration" not in json.loads((out / "config.json").read_text())
-    assert saved_temperature(out) == 1.0
-    texts = [r["text"] for r in test_rows[:20]]
-    np.testing.assert_allclose(predicted_probs(out, texts), softmax(model_logits(out, texts)), atol=1e-5)
-
-
-def test_a_model_saved_before_calibration_loads_with_temperature_one(trained_dir, tmp_path, test_rows):
+@pytest.mark.parametrize("calibrate", [None, False], ids=["before-calibration", "calibrate-false"])
+def test_a_model_saved_without_a_temperature_loads_with_temperature_one(trained_dir, tmp_path, test_rows, calibrate):
+    """Saved before calibration existed, or by a version with train.calibrate = false (a field it no longer has)."""
     old = tmp_path / "old"
     shutil.copytree(trained_dir, old, ignore=shutil.ignore_patterns("checkpoints", "events.*"))
     meta = json.loads((old / "config.json").read_text())
-    del meta["calibration"], meta["train"]["calibrate"]
+    del meta["calibration"]
+    if calibrate is not None:
+        meta["train"]["calibrate"] = calibrate
     (old / "config.json").write_text(json.dumps(meta))
     texts = [r["text"] for r in test_rows[:20]]
-    assert load_model_dir(old)[1].train.calibrate is False  # what older runs did
+    assert load_model_dir(old)[4] == 1.0
     np.testing.assert_allclose(predicted_probs(old, texts), softmax(model_logits(old, texts)), atol=1e-5)
     assert evaluate_checkpoint(old, device="cpu")["temperature"] == 1.0

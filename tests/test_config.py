@@ -6,6 +6,8 @@ import pytest
 from conftest import CONFIGS
 
 from transformer_cli.config import (
+    FORMAT_VERSION,
+    REMOVED_FIELDS,
     TABLE_FIELDS,
     Config,
     ModelConfig,
@@ -15,9 +17,10 @@ from transformer_cli.config import (
     load_config,
     parse_overrides,
     parse_value,
-    with_legacy_values,
+    run_settings,
+    saved_config,
 )
-from transformer_cli.errors import UsageError
+from transformer_cli.errors import TfmError, UsageError
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.toml"))
 
@@ -72,11 +75,6 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"train": {"lr": float("nan")}}, ["train.lr", "nan"]),
         ({"train": {"weight_decay": float("nan")}}, ["train.weight_decay", "nan"]),
         ({"train": {"grad_clip": float("nan")}}, ["train.grad_clip", "nan"]),
-        ({"model": {"ngram_buckets": -1}}, ["model.ngram_buckets", "-1"]),
-        ({"data": {"val_block": 0}}, ["data.val_block", "0"]),
-        ({"model": {"ngram_lr_scale": float("nan")}}, ["model.ngram_lr_scale", "nan"]),
-        ({"model": {"ngram_lr_scale": 0}}, ["model.ngram_lr_scale", "0"]),
-        ({"model": {"ngram_order": 0}}, ["model.ngram_order", "0"]),
         ({"train": {"checkpoint_every": -1}}, ["train.checkpoint_every", "-1", "0: checkpoint at epoch ends only"]),
         ({"train": {"device": "cuda:x"}}, ["train.device", "'cuda:x'"]),
         ({"train": {"lr": float("inf")}}, ["train.lr", "inf", "must be a finite number"]),
@@ -93,8 +91,11 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"model": {"n_layers": 10**6}}, ["model.n_layers", "between 1 and 1,024"]),
         ({"data": {"max_length": 10**8}}, ["data.max_length", "between 2 and 1,048,576"]),
         ({"train": {"num_threads": 100_000}}, ["train.num_threads", "at most 1,024"]),
-        ({"model": {"ngram_buckets": 2**63 - 1}}, ["model.ngram_buckets", "up to 16,777,216"]),
-        ({"pretrain": {"generator_layers": 10**8}}, ["pretrain.generator_layers", "between 1 and 1,024"]),
+        ({"pretrain": {"mask_prob": 1.0}}, ["pretrain.mask_prob", "1.0", "(0, 1)"]),
+        ({"pretrain": {"window": 1}}, ["pretrain.window", "at least 2 tokens"]),
+        ({"pretrain": {"splits": ["train", "test"]}}, ["pretrain.splits", "never test"]),
+        ({"model": {"ngram_buckets": 0}}, ["unknown config key 'model.ngram_buckets'"]),
+        ({"train": {"compile": True}}, ["unknown config key 'train.compile'"]),
         ({"pretrain": {"splits": "train"}}, ["pretrain.splits", "expected a list of str", 'TOML: ["train"]']),
         ({"pretrain": {"splits": "[train]"}}, ["pretrain.splits", "quote a list's strings"]),
         ({"model": {"dropout": ".5"}}, ["model.dropout", "expected float", "numbers as 0.5"]),
@@ -105,10 +106,10 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
     ],
     ids=["heads", "lr", "dropout1", "dropout-neg", "unknown-key", "unknown-section", "str-for-int",
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
-         "ngram-buckets-neg", "val-block-0", "ngram-lr-nan", "ngram-lr-0", "ngram-order-0", "checkpoint-neg",
-         "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge", "output-empty",
-         "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge", "length-huge",
-         "threads-huge", "ngram-buckets-huge", "generator-huge", "str-for-list", "unquoted-list", "toml-float",
+         "checkpoint-neg", "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge",
+         "output-empty", "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge",
+         "length-huge", "threads-huge", "mask-prob-1", "window-1", "pretrain-on-test", "removed-field",
+         "removed-setting", "str-for-list", "unquoted-list", "toml-float",
          "int-for-str", "train-length-over", "train-length-1", "train-length-learned"],
 )
 def test_invalid_values_raise_usage_error_naming_field_and_value(d, expected):
@@ -123,17 +124,6 @@ def test_a_shorter_training_length_is_allowed_where_positions_hold_no_table():
         cfg = Config.from_dict({"model": {"pos_emb": pos_emb}, "data": {"max_length": 1024, "train_max_length": 512}})
         assert (cfg.data.max_length, cfg.data.train_max_length) == (1024, 512)
     assert Config.from_dict({"data": {"max_length": 512, "train_max_length": 512}}).data.train_max_length == 512
-
-
-@pytest.mark.parametrize(("objective", "field", "value", "for_"), [
-    ("mlm", "generator_layers", 2, "electra"), ("skipgram", "detection_weight", 10.0, "electra"),
-    ("skipgram", "mask_prob", 0.3, "mlm or electra"), ("skipgram", "window", 128, "mlm or electra"),
-])
-def test_a_setting_of_another_pretraining_objective_is_refused_not_ignored(objective, field, value, for_):
-    with pytest.raises(UsageError, match=rf"pretrain.{field} = {value!r}: is for pretrain.objective = {for_}, "
-                                         rf"not '{objective}'"):
-        Config.from_dict({"pretrain": {"objective": objective, field: value}})
-    Config.from_dict({"pretrain": {"objective": for_.split()[0], field: value}})  # its own objective takes it
 
 
 @pytest.mark.parametrize("name", ["gpu", "cuda:", "cuda:x", "cuda0", "CPU", "", "cpu "])
@@ -151,7 +141,8 @@ def test_unknown_precision_names_are_usage_errors():
         TrainConfig(precision="fp8")
 
 
-@pytest.mark.parametrize(("device", "precision"), [("auto", None), ("cuda:1", "bf16"), ("mps", "fp16"), ("cpu", "fp32")])
+@pytest.mark.parametrize(("device", "precision"),
+                         [("auto", None), ("cuda:1", "bf16"), ("mps", "fp16"), ("cpu", "fp32")])
 def test_device_and_precision_names_that_a_run_accepts_pass(device, precision):
     check_device_and_precision(device, precision)
     TrainConfig(device=device, precision=precision or "auto")
@@ -189,7 +180,7 @@ def test_int_override_for_a_float_field_becomes_float():
         ("data.source=../x", "data.source", "../x"),
         ('data.source="a b"', "data.source", "a b"),
         ("model.n_layers=4", "model.n_layers", 4),
-        ("train.compile=true", "train.compile", True),
+        ("train.test_at_end=true", "train.test_at_end", True),
         (" train.seed = 7 ", "train.seed", 7),
     ],
 )
@@ -245,8 +236,8 @@ def test_replace_changes_only_the_given_fields_and_validates():
 
 
 @pytest.mark.parametrize("path", [None, *CONFIG_FILES], ids=lambda p: "defaults" if p is None else p.name)
-def test_json_round_trip_is_identity(path, tmp_path):
-    cfg = load_config(path, {"train.max_steps": 7, "data.cache_dir": str(tmp_path / "cache")})
+def test_json_round_trip_is_identity(path):
+    cfg = load_config(path, {"train.max_steps": 7, "data.max_eval_samples": 50})
     again = Config.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     assert again.to_dict() == cfg.to_dict()
@@ -268,16 +259,55 @@ def test_unreadable_config_files_raise_usage_error(tmp_path, content):
         load_config(path)
 
 
-def test_saved_configs_get_the_values_of_fields_added_after_them():
-    # Saved before the n-gram path existed: it stays off.
-    assert with_legacy_values({"model": {"d_model": 64}})["model"]["ngram_buckets"] == 0
-    # Saved with the first n-gram path (bigrams, every occurrence counted, one loss): rebuilt as it was trained.
-    first = with_legacy_values({"model": {"ngram_buckets": 1 << 20}, "data": {}})
-    assert first["model"] == {"ngram_buckets": 1 << 20, "ngram_order": 2, "ngram_binary": False, "ngram_own_loss": False,
-                              "ff": "gelu"}  # and saved before gated feed-forward layers: the plain one
-    assert first["data"] == {"val_block": 1, "val_split": ""}  # validated on a part held out of train
-    # A field that was saved keeps its value.
-    assert with_legacy_values({"model": {"ngram_order": 3, "ngram_binary": True}})["model"]["ngram_order"] == 3
+def neutral(value):
+    """A value at which a removed field behaves as this version does (any value where REMOVED_FIELDS says None)."""
+    return "anything" if value is None else value
+
+
+def test_a_saved_run_loses_its_removed_fields_at_their_neutral_values_silently():
+    saved = {"format_version": FORMAT_VERSION, "kind": "classifier", **Config().to_dict()}
+    for (section, key), same in REMOVED_FIELDS.items():
+        saved[section][key] = neutral(same)
+    before = json.loads(json.dumps(saved))
+    out = saved_config(saved, "run/config.json")
+    assert out == {"format_version": FORMAT_VERSION, "kind": "classifier", **Config().to_dict()}
+    assert saved == before  # the input is left alone
+    assert Config.from_dict({k: out[k] for k in ("model", "data", "train", "pretrain")}) == Config()
+
+
+def changed(value):
+    """A value other than a removed field's neutral one, of the same type."""
+    return not value if isinstance(value, bool) else value + 1 if isinstance(value, (int, float)) else "other"
+
+
+@pytest.mark.parametrize(("section", "key", "value"), [
+    ("model", "ngram_buckets", 4194304), ("data", "tokenizer", "bpe"), ("pretrain", "objective", "electra"),
+    *[(section, key, changed(same)) for (section, key), same in REMOVED_FIELDS.items() if same is not None]])
+def test_a_saved_run_whose_removed_field_changed_its_behaviour_is_refused_naming_it(section, key, value):
+    with pytest.raises(TfmError) as e:
+        saved_config({section: {key: value}}, "run/config.json")
+    message = str(e.value)
+    assert len(message.splitlines()) == 1
+    assert f"{section}.{key} = {value!r}" in message and "'run/config.json'" in message
+    assert not isinstance(e.value, UsageError)  # the run's files are at fault, not the command line
+
+
+@pytest.mark.parametrize("section, key", [k for k, same in REMOVED_FIELDS.items() if same is None])
+def test_a_removed_field_of_speed_or_bookkeeping_is_dropped_whatever_its_value(section, key):
+    for value in (True, 7, "kernel", [1, 2]):
+        assert saved_config({section: {key: value, "kept": 1}}, "c.json") == {section: {"kept": 1}}
+
+
+def test_the_settings_of_a_run_folder_are_its_saved_sections_without_removed_fields(tmp_path):
+    assert run_settings(tmp_path) is None  # no config.json: not a run
+    saved = {"format_version": FORMAT_VERSION, "kind": "classifier", "labels": ["neg", "pos"],
+             "model": {"d_model": 32, "attention": "auto", "ngram_buckets": 0}, "train": {"lr": 0.01, "compile": True}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert run_settings(tmp_path) == {"model": {"d_model": 32}, "train": {"lr": 0.01}}
+    saved["model"]["ngram_buckets"] = 4194304
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(TfmError, match=r"config.json' was made with model.ngram_buckets = 4194304"):
+        run_settings(tmp_path)
 
 
 def test_local_data_paths_are_recorded_absolute_so_a_run_finds_them_from_anywhere(tmp_path, monkeypatch):

@@ -13,25 +13,22 @@ from conftest import make_examples, read_jsonl, write_jsonl
 from transformer_cli import data as data_mod
 from transformer_cli.config import DataConfig
 from transformer_cli.data import (
-    CLS_ID,
-    PAD_ID,
-    PAD_MULTIPLE,
-    SPECIAL_TOKENS,
-    AsciiWordPiece,
     BucketSampler,
     Encoded,
-    characters,
     collate,
     encode_texts,
+    length_batches,
     load_splits,
     prepare_train_data,
-    splits_words,
     stratified_split,
     train_tokenizer,
     train_val_splits,
     truncate,
 )
+from transformer_cli.data import text as text_mod
+from transformer_cli.data.text import characters, splits_words
 from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.tokens import CLS_ID, PAD_ID, PAD_MULTIPLE, SPECIAL_TOKENS
 
 
 def pairs(split) -> list[tuple[str, int]]:
@@ -52,11 +49,6 @@ def tokenizer(train_texts):
     return train_tokenizer(train_texts, DataConfig(vocab_size=500))
 
 
-@pytest.fixture(scope="session")
-def bpe_tokenizer(train_texts):
-    return train_tokenizer(train_texts, DataConfig(vocab_size=500, tokenizer="bpe"))
-
-
 # --------------------------------------------------------------------------- split
 
 
@@ -71,6 +63,9 @@ def test_stratified_split_keeps_label_proportions_and_covers_everything(imbalanc
     assert Counter(imbalanced_labels[train].tolist()) == {0: 45, 1: 105}
     assert not set(train) & set(val)
     assert sorted([*train, *val]) == list(range(len(imbalanced_labels)))
+    few = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1, 1])
+    train, val = stratified_split(few, 0.01, seed=0)  # 1% of 2 rounds to none: each label still in both parts
+    assert set(few[train]) == set(few[val]) == {0, 1}
 
 
 def test_stratified_split_is_seeded(imbalanced_labels):
@@ -79,57 +74,15 @@ def test_stratified_split_is_seeded(imbalanced_labels):
     assert not np.array_equal(a[1], c[1])
 
 
-def test_stratified_split_of_single_examples_is_the_original_draw(imbalanced_labels):
-    """block=1 must keep the split every earlier run was trained and validated on."""
+def test_stratified_split_is_the_draw_saved_runs_were_validated_on(imbalanced_labels):
+    """`tfm evaluate --split validation` draws a run's validation part again from its seed: the draw must not change."""
     rng = np.random.default_rng(3)
     expected_val = []
     for label in (0, 1):
         idx = rng.permutation(np.flatnonzero(imbalanced_labels == label))
         expected_val.append(idx[: round(len(idx) * 0.25)])
-    _, val = stratified_split(imbalanced_labels, 0.25, seed=3, block=1)
+    _, val = stratified_split(imbalanced_labels, 0.25, seed=3)
     assert np.array_equal(val, np.sort(np.concatenate(expected_val)))
-
-
-def test_block_split_holds_out_whole_runs_of_consecutive_examples_of_a_label():
-    labels = np.array([0] * 100 + [1] * 100)  # label-sorted, as IMDB's train split is
-    train, val = stratified_split(labels, 0.2, seed=1, block=10)
-    assert Counter(labels[val].tolist()) == {0: 20, 1: 20}
-    assert sorted([*train, *val]) == list(range(200))
-    held = set(val.tolist())
-    for start in range(0, 200, 10):  # each run of 10 is wholly in one part
-        assert len({i in held for i in range(start, start + 10)}) == 1
-    other_seed = stratified_split(labels, 0.2, seed=2, block=10)[1]
-    assert not np.array_equal(val, other_seed)
-
-
-def test_a_block_split_that_must_hold_out_less_than_a_run_takes_the_shortest():
-    """251 examples of a class in runs of 250: 10% is less than one run, so validation gets the run of
-    one, not the one of 250 (which would leave a single example to train on)."""
-    labels = np.array([0] * 251 + [1] * 251)
-    for seed in range(5):
-        _, val = stratified_split(labels, 0.1, seed=seed, block=250)
-        assert Counter(labels[val].tolist()) == {0: 1, 1: 1}
-        assert sorted(val.tolist()) == [250, 501]  # each class's remainder
-
-
-def test_a_block_split_that_would_hold_out_most_of_a_class_is_refused(tmp_path):
-    """60 reviews a class in runs of 50 at val_size 0.3: one whole run is held out, by the seed the run
-    of 10 (kept) or the run of 50 (most of the class: refused)."""
-    rows = sorted(make_examples(120, seed=0), key=lambda r: r["label"])
-    path = write_jsonl(tmp_path / "train.jsonl", rows)
-    assert Counter(r["label"] for r in rows) == {0: 60, 1: 60}
-    cfg = DataConfig(source=str(path), vocab_size=200, max_length=32, val_size=0.3, val_block=50)
-    refused = 0
-    for seed in range(12):
-        try:
-            _, val, _, _ = train_val_splits(cfg, seed=seed)
-        except UsageError as e:
-            assert re.fullmatch(r"data.val_block = 50 holds out 50 of the 60 examples of class '(neg|pos)' for "
-                                r"validation; lower data.val_block or add examples", str(e))
-            refused += 1
-        else:
-            assert Counter(val.labels.tolist()) == {0: 10, 1: 10}
-    assert 0 < refused < 12
 
 
 @pytest.mark.parametrize("suffix", [".tsv", ".csv"])
@@ -198,28 +151,6 @@ def test_truncate(n, limit, strategy, head_fraction, expected):
     assert truncate(list(range(n)), limit, strategy, head_fraction) == expected
 
 
-@pytest.mark.parametrize("strategy", ["head", "head_tail"])
-def test_encode_texts_rows_start_with_cls_and_respect_max_length(tokenizer, train_texts, strategy):
-    texts = train_texts[:50]
-    max_length, head_fraction = 16, 0.25
-    ids, offsets = encode_texts(tokenizer, texts, max_length, strategy, head_fraction)
-    assert ids.dtype == np.int32 and offsets[0] == 0 and offsets[-1] == len(ids) and len(offsets) == len(texts) + 1
-    n_head = round((max_length - 1) * head_fraction)
-    truncated = 0
-    for i, text in enumerate(texts):
-        row = ids[offsets[i] : offsets[i + 1]].tolist()
-        full = tokenizer.encode(text, add_special_tokens=False).ids
-        if len(full) <= max_length - 1:
-            expected = full
-        else:
-            truncated += 1
-            keep_head = max_length - 1 if strategy == "head" else n_head
-            expected = full[:keep_head] + full[len(full) - (max_length - 1 - keep_head):]
-        assert row == [CLS_ID] + expected
-        assert len(row) <= max_length
-    assert 0 < truncated < len(texts)  # both branches were exercised
-
-
 def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
     ids, offsets = encode_texts(tokenizer, ["great [PAD] film [CLS] fun [SEP]", "great film fun"], 64, "head", 0.5)
     first, second = ids[offsets[0]:offsets[1]].tolist(), ids[offsets[1]:offsets[2]].tolist()
@@ -228,10 +159,10 @@ def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
 
 
 def ascii_text(rng, n_pieces: int) -> str:
-    """ASCII text among what the fast path's rules must get right: each kind of ASCII whitespace and the
-    control characters that are not whitespace, every punctuation character, <br> tags with whitespace
-    inside or in capitals, special tokens' text, digits, capitals, words the vocabulary lacks and words
-    over WordPiece's length limit."""
+    """ASCII text among what tokenization must get right: each kind of ASCII whitespace and the control
+    characters that are not whitespace, every punctuation character, <br> tags with whitespace inside or in
+    capitals, special tokens' text, digits, capitals, words the vocabulary lacks and words over WordPiece's
+    length limit."""
     import string
 
     pieces = ["film", "Great", "MOVIE", "actor's", "don't", "fun!", "2.5/10", "<br />", "<br/>", "<br>", "<BR>",
@@ -242,157 +173,50 @@ def ascii_text(rng, n_pieces: int) -> str:
     return "".join(rng.choice(pieces) + rng.choice(seps) for _ in range(n_pieces))
 
 
-@pytest.mark.parametrize("lowercase", [True, False])
-def test_ascii_wordpiece_gives_the_tokenizers_ids(train_texts, lowercase):
-    import random
-
-    tok = train_tokenizer(train_texts, DataConfig(vocab_size=500, lowercase=lowercase))
-    tok.encode_special_tokens = True  # as encode_texts asks: special tokens' text is text
-    fast = AsciiWordPiece.of(tok)
-    assert fast is not None and AsciiWordPiece.of(tok) is fast
-    rng = random.Random(0)
-    texts = [ascii_text(rng, rng.choice([1, 3, 30, 300])) for _ in range(300)] + train_texts[:100] + ["", " \t "]
-    unk, split = False, False
-    for text in texts:
-        expected = tok.encode(text, add_special_tokens=False).ids
-        assert fast.encode(text) == expected, repr(text)
-        assert fast.encode(text) == expected  # again, from the cache
-        unk |= SPECIAL_TOKENS.index("[UNK]") in expected
-        split |= any(tok.id_to_token(i).startswith("##") for i in expected)
-    assert unk and split  # words the vocabulary lacks, and words of several pieces, were among them
-
-
-def test_encode_texts_takes_non_ascii_texts_to_the_tokenizer(tokenizer):
-    texts = ["caf\u00e9 cr\u00e8me br\u00fbl\u00e9e", "plain film", "\uff26\uff49\uff4c\uff4d \u2019quoted\u2019 \u00bd",
-             "Stra\u00dfe \u0130stanbul"]
-    ids, offsets = encode_texts(tokenizer, texts, 64, "head", 0.5)
-    for i, text in enumerate(texts):
-        assert ids[offsets[i]:offsets[i + 1]].tolist() == [CLS_ID] + tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def test_ascii_wordpiece_is_only_for_train_tokenizers_wordpiece(train_texts, tokenizer, bpe_tokenizer):
-    from tokenizers import Regex, normalizers
-
-    assert AsciiWordPiece.of(bpe_tokenizer) is None
-    assert AsciiWordPiece.of(_EncodeLog(tokenizer)) is None
-    other = train_tokenizer(train_texts, DataConfig(vocab_size=500))
-    other.normalizer = normalizers.Sequence([normalizers.Replace(Regex(r"<p>"), " "), normalizers.NFKC()])
-    assert AsciiWordPiece.of(other) is None
-    other = train_tokenizer(train_texts, DataConfig(vocab_size=500))
-    other.add_tokens(["greatfilm"])  # an added token that is not special: split out before the model
-    assert AsciiWordPiece.of(other) is None
-
-
-def test_ascii_wordpiece_cache_stays_within_its_bound(tokenizer, monkeypatch):
-    import random
-
-    monkeypatch.setattr(AsciiWordPiece, "MAX_CACHED_WORDS", 50)
-    tokenizer.encode_special_tokens = True
-    fast = AsciiWordPiece.of(tokenizer)
-    rng = random.Random(2)
-    for _ in range(40):
-        text = " ".join("".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 6))) for _ in range(20))
-        assert fast.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids
-        assert len(fast.cache) <= 50
-
-
-class _EncodeLog:
-    """A tokenizer that records the length of every text it encodes."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.lengths = tokenizer, []
-
-    def encode(self, text, **kw):
-        self.lengths.append(len(text))
-        return self.tokenizer.encode(text, **kw)
-
-    def encode_batch_fast(self, texts, **kw):
-        self.lengths += [len(t) for t in texts]
-        return self.tokenizer.encode_batch_fast(texts, **kw)
-
-    def __setattr__(self, name, value):
-        if name == "encode_special_tokens":
-            setattr(self.tokenizer, name, value)
-        object.__setattr__(self, name, value)
-
-
 def awkward_text(rng, n_pieces: int) -> str:
-    """Words among what could break an encoding cut in two: <br /> tags with whitespace inside, other
-    whitespace, combining marks, compatibility characters, special tokens' text, runs with no space."""
-    pieces = ["film", "great", "Awful", "plot", "it's", "<br />", "<br/>", "<br>", "<br \n\n />",
-              "<br" + " " * 40 + "/>", "<BR>", "<br", "/>", "[CLS]", "[PAD]", ",", "!!", "e\u0301", "\u0301", "=\u0338",
-              "\uff1c\uff42\uff52\uff1e", "\u00a0", "\u3000", "\u2000", "\x1c", "\t", "\r\n", "x" * 150, "word," * 30,
-              " " * 60, "\n" * 5, ",\u0301", ".\u0338", "!\u00e9", "3.5", "a,b.c!d;e:f?" * 20, "<br,/>", "<br.>"]
+    """Text beyond ASCII: combining marks, compatibility characters, non-ASCII whitespace, accented and
+    full-width letters, mixed with <br /> tags, special tokens' text and runs with no space."""
+    pieces = ["film", "great", "Awful", "it's", "<br />", "<br \n\n />", "<BR>", "[CLS]", "[PAD]", ",", "!!",
+              "e\u0301", "\u0301", "=\u0338", "\uff1c\uff42\uff52\uff1e", "\u00a0", "\u3000", "\u2000", "\x1c",
+              "\r\n", "x" * 150, "word," * 30, ",\u0301", "!\u00e9", "caf\u00e9", "cr\u00e8me br\u00fbl\u00e9e",
+              "\uff26\uff49\uff4c\uff4d", "\u2019quoted\u2019", "\u00bd", "Stra\u00dfe", "\u0130stanbul",
+              "\u65e5\u672c\u8a9e", "\U0001f600", "a,b.c!d;e:f?" * 20]
     seps = [" ", " ", " ", "\n", "", "  ", "\t", "\u00a0"]
     return "".join(rng.choice(pieces) + rng.choice(seps) for _ in range(n_pieces))
 
 
-@pytest.mark.parametrize("kind", ["tokenizer", "bpe_tokenizer"])
-def test_long_texts_encode_from_their_ends_as_when_encoded_whole(request, kind, monkeypatch):
+def test_encode_texts_gives_the_tokenizers_own_ids_cut_as_truncate_cuts(tokenizer, train_texts, monkeypatch):
+    """ASCII and non-ASCII texts, short and long, over several chunks of ENCODE_CHUNK texts: each row is
+    [CLS] + what the tokenizer's own `encode` gives for the text alone (special tokens' text as text), cut
+    by `truncate`, or whole with max_length None."""
     import random
 
-    tok = request.getfixturevalue(kind)
-    monkeypatch.setattr(data_mod, "LONG_TEXT_CHARS", 2)  # texts of more than 2 characters a kept token
+    monkeypatch.setattr(text_mod, "ENCODE_CHUNK", 16)
     rng = random.Random(0)
-    texts = [awkward_text(rng, rng.choice([5, 60, 400, 1500])) for _ in range(120)]
-    for max_length, strategy, head_fraction in [(9, "head", 0.25), (17, "head_tail", 0.25), (33, "head_tail", 0.0),
-                                                (16, "head_tail", 1.0), (64, "head_tail", 0.5)]:
-        log = _EncodeLog(tok)
-        ids, offsets = encode_texts(log, texts, max_length, strategy, head_fraction)
+    texts = [ascii_text(rng, rng.choice([1, 3, 30, 300])) for _ in range(60)]
+    texts += [awkward_text(rng, rng.choice([1, 5, 60, 400])) for _ in range(60)]
+    texts += train_texts[:30] + ["", " \t ", "\u00a0"]
+    assert len(texts) > 5 * text_mod.ENCODE_CHUNK
+    tokenizer.encode_special_tokens = True  # as encode_texts asks: special tokens' text is text
+    whole = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    assert any(SPECIAL_TOKENS.index("[UNK]") in w for w in whole)  # words the vocabulary lacks were among them
+    assert any(tokenizer.id_to_token(i).startswith("##") for w in whole for i in w)  # and words of several pieces
+    for max_length, strategy, head_fraction in [(None, "head", 0.25), (9, "head", 0.25), (17, "head_tail", 0.25),
+                                                (33, "head_tail", 0.0), (64, "head_tail", 0.5)]:
+        ids, offsets = encode_texts(tokenizer, texts, max_length, strategy, head_fraction)
+        assert ids.dtype == np.int32 and len(offsets) == len(texts) + 1 and offsets[-1] == len(ids)
+        if max_length is not None:  # some texts are cut, some are not
+            assert 0 < sum(len(w) >= max_length for w in whole) < len(texts)
         for i, text in enumerate(texts):
-            whole = tok.encode(text, add_special_tokens=False).ids
-            expected = [CLS_ID] + truncate(whole, max_length - 1, strategy, head_fraction)
-            assert ids[offsets[i]:offsets[i + 1]].tolist() == expected, (max_length, strategy, text)
-        long = sum(len(t) > 2 * (max_length - 1) for t in texts)
-        assert 20 < long and len(log.lengths) > len(texts) + long  # the ends were encoded apart ...
-        assert max(log.lengths) < max(map(len, texts))  # ... and the longest text never whole
+            kept = whole[i] if max_length is None else truncate(whole[i], max_length - 1, strategy, head_fraction)
+            assert ids[offsets[i] : offsets[i + 1]].tolist() == [CLS_ID, *kept], (max_length, strategy, text)
+    assert encode_texts(tokenizer, [], 16, "head", 0.5)[1].tolist() == [0]
 
 
-@pytest.mark.parametrize("kind", ["tokenizer", "bpe_tokenizer"])
-def test_a_long_texts_ends_are_cut_where_the_encoding_splits_too(request, kind):
-    import random
-
-    tok = request.getfixturevalue(kind)
-    tok.encode_special_tokens = True
-
-    def enc(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
-
-    rng = random.Random(1)
-    cuts = set()
-    for _ in range(150):
-        text = awkward_text(rng, 40)
-        whole, n = enc(text), rng.randrange(len(text) + 1)
-        for cut in (data_mod._cut_before(text, n), data_mod._cut_after(text, n)):
-            assert enc(text[:cut]) + enc(text[cut:]) == whole, (cut, text)
-            cuts.add(cut not in (0, len(text)))
-        assert data_mod._cut_before(text, n) <= n <= data_mod._cut_after(text, n)
-    assert cuts == {True, False}
-
-
-def test_the_normalizer_joins_nothing_to_the_characters_a_long_text_is_cut_after(tokenizer):
-    import unicodedata
-
-    # The characters NFKC could join to one before them: marks, and the second half of any
-    # canonical decomposition into two.
-    chars = [chr(c) for c in range(0x110000)]
-    joiners = {c for c in chars if unicodedata.combining(c)} | {
-        chr(int(d.split()[1], 16)) for d in map(unicodedata.decomposition, chars)
-        if d and not d.startswith("<") and len(d.split()) == 2}
-    norm = tokenizer.normalizer.normalize_str
-    for c in data_mod.CUT_AFTER:
-        for d in joiners:
-            assert norm(c + d) == norm(c) + norm(d), (c, d)
-    assert norm("=\u0338") != norm("=") + norm("\u0338")  # the check sees such a join
-
-
-@pytest.mark.parametrize("lowercase", [True, False])
-def test_tokenizer_round_trip(train_texts, lowercase):
-    tok = train_tokenizer(train_texts, DataConfig(vocab_size=500, lowercase=lowercase))
+def test_tokenizer_round_trip_lowercases_and_drops_br_tags(tokenizer, train_texts):
     for text in train_texts[:20]:
-        expected = re.sub(r"<br\s*/?>", " ", text)
-        expected = expected.lower() if lowercase else expected
-        decoded = tok.decode(tok.encode(text, add_special_tokens=False).ids)
+        expected = re.sub(r"<br\s*/?>", " ", text).lower()
+        decoded = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids)
         assert "[UNK]" not in decoded
         assert words(decoded) == words(expected)
 
@@ -440,7 +264,8 @@ def test_characters_are_normalized_and_leave_out_whitespace():
 
     normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     # "c" + a combining acute composes to one character; the ligature "fi" splits in two
-    assert characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", ",", "\u0107", "d", "f", "i", "!", "x", "y"}
+    assert characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", ",", "\u0107", "d", "f", "i", "!",
+                                                                      "x", "y"}
     assert [c for c in ", a . \u2014 b \u00bf\x1c" if not splits_words(c)] == ["a", "b", "\x1c"]
 
 
@@ -507,6 +332,27 @@ def test_ranks_split_each_global_batch_evenly(lengths):
     assert len(seen) == len(set(seen))
 
 
+@pytest.mark.parametrize(("batch_size", "max_tokens"), [(16, None), (16, 256), (7, 64), (1000, 500), (3, 10)])
+def test_length_batches_cut_indices_sorted_by_length_under_both_limits(lengths, batch_size, max_tokens):
+    batches = length_batches(lengths, batch_size, max_tokens)
+    order = flat(batches)
+    assert order == np.argsort(lengths, kind="stable").tolist()  # every index once, by length, ties in order
+    for i, b in enumerate(batches):
+        assert 1 <= len(b) <= batch_size
+        width = int(lengths[b].max())
+        assert max_tokens is None or len(b) * width <= max_tokens or len(b) == 1  # a longer row alone
+        if i + 1 < len(batches):  # full: the next row would break a limit
+            grown = len(b) + 1
+            assert grown > batch_size or (max_tokens is not None and grown * lengths[batches[i + 1][0]] > max_tokens)
+
+
+def test_length_batches_put_a_row_over_the_token_budget_alone_and_take_empty_input():
+    lengths = np.array([5, 100, 3, 5, 60])
+    assert [b.tolist() for b in length_batches(lengths, 8, max_tokens=50)] == [[2, 0, 3], [4], [1]]
+    assert [b.tolist() for b in length_batches(lengths, 2)] == [[2, 0], [3, 4], [1]]
+    assert length_batches(np.zeros(0, dtype=np.int64), 8) == length_batches(np.zeros(0, dtype=np.int64), 8, 64) == []
+
+
 def test_collate_pads_with_pad_id_and_masks_real_tokens():
     rows = [[CLS_ID, 7, 8], [CLS_ID], [CLS_ID, 5, 6, 9, 11]]
     offsets = np.cumsum([0, *map(len, rows)])
@@ -525,7 +371,8 @@ def test_collate_pads_with_pad_id_and_masks_real_tokens():
 @pytest.mark.parametrize(("longest", "split_longest", "width"), [
     (5, 64, 32), (32, 64, 32), (33, 64, 64), (33, 40, 40), (40, 40, 40), (2, 2, 2), (65, 1024, 96)])
 def test_collate_rounds_the_width_up_to_a_multiple_of_32_within_the_splits_longest(longest, split_longest, width):
-    rows = [[CLS_ID] + [7] * (longest - 1), [CLS_ID, 5], [CLS_ID] + [9] * (split_longest - 1)]  # row 2: not in the batch
+    # row 2 is not in the batch
+    rows = [[CLS_ID] + [7] * (longest - 1), [CLS_ID, 5], [CLS_ID] + [9] * (split_longest - 1)]
     enc = Encoded(np.array([t for r in rows for t in r], dtype=np.int32), np.cumsum([0, *map(len, rows)]),
                   np.array([0, 1, 0]))
     ids, mask, _ = collate(enc, np.array([0, 1]))
@@ -621,8 +468,9 @@ def test_a_split_named_twice_is_refused_not_half_read(tmp_path, csv_rows):
 def test_an_empty_file_in_a_dataset_folder_is_named(tmp_path, content):
     write_jsonl(tmp_path / "train.jsonl", make_examples(20, seed=1))
     (tmp_path / "test.jsonl").write_text(content, encoding="utf-8")
-    with pytest.raises(UsageError, match=f"data file '{tmp_path / 'test.jsonl'}' is empty: fill it or remove it"):
+    with pytest.raises(TfmError, match=f"data file '{tmp_path / 'test.jsonl'}' is empty: fill it or remove it") as e:
         load_splits(cfg_for(tmp_path), ("train",))
+    assert not isinstance(e.value, UsageError)  # what a file holds is a runtime error (exit 1), not a usage one
 
 
 @pytest.mark.parametrize(("name", "content", "message"), [
@@ -642,8 +490,9 @@ def test_a_data_file_without_rows_is_named(tmp_path, name, content, message):
     else:
         path.write_text(content, encoding="utf-8")
     for source in (f"test={path}", str(path)):
-        with pytest.raises(UsageError, match=f"data file '{re.escape(str(path))}' {message}: fill it or remove it"):
+        with pytest.raises(TfmError, match=f"data file '{re.escape(str(path))}' {message}: fill it or remove it") as e:
             data_mod.open_text_source(source)
+        assert not isinstance(e.value, UsageError)
     from datasets import Dataset
 
     folder = tmp_path / "folder"
@@ -653,7 +502,7 @@ def test_a_data_file_without_rows_is_named(tmp_path, name, content, message):
     (folder / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n"
                                       f"  - {{split: train, path: {train.name}}}\n"
                                       f"  - {{split: unsupervised, path: ../{name}}}\n---\n", encoding="utf-8")
-    with pytest.raises(UsageError, match=f"{message}: fill it or remove it"):
+    with pytest.raises(TfmError, match=f"{message}: fill it or remove it"):
         data_mod.open_text_source(str(folder))
 
 
@@ -685,7 +534,7 @@ def test_a_label_column_of_distinct_values_is_named(tmp_path):
     rows = make_examples(300, seed=3)
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     cfg = DataConfig(source=str(path), label_column="text")
-    with pytest.raises(TfmError, match="column 'text' .* has 300 distinct values in 300 examples; set data.label_column"):
+    with pytest.raises(TfmError, match="column 'text' .* has 300 distinct values in 300 examples; set data.label_col"):
         train_val_splits(cfg, seed=0)
     few = write_jsonl(tmp_path / "few.jsonl", [{"text": f"review {i}", "label": i % 3} for i in range(12)])
     train, val, names, _ = train_val_splits(DataConfig(source=str(few), val_size=0.5), seed=0)  # few, not distinct
@@ -789,7 +638,7 @@ def test_aclimdb_as_a_text_source_reads_only_the_splits_asked_for(acl_root, acl_
     read_text, extractfile = Path.read_text, tarfile.TarFile.extractfile
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: opened.append(str(self)) or read_text(self, *a, **k))
     monkeypatch.setattr(tarfile.TarFile, "extractfile",
-                        lambda self, member: opened.append(getattr(member, "name", member)) or extractfile(self, member))
+                        lambda self, m: opened.append(getattr(m, "name", m)) or extractfile(self, m))
     d = data_mod.open_text_source(source, ("unsupervised", "train"))
     assert sorted(d) == ["train", "unsupervised"]
     assert sorted(d["train"]["text"]) == sorted(text for text, _ in expected_acl("train"))
@@ -823,8 +672,21 @@ def test_a_label_the_train_split_lacks_is_refused(tmp_path, csv_rows):
 
 
 @pytest.fixture
-def data_cfg(synthetic_data_dir, tmp_path) -> DataConfig:
-    return DataConfig(source=str(synthetic_data_dir), vocab_size=500, max_length=32, cache_dir=str(tmp_path / "cache"))
+def cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of the test's own (TFM_CACHE)."""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("TFM_CACHE", str(path))
+    return path
+
+
+@pytest.fixture
+def data_cfg(synthetic_data_dir, cache) -> DataConfig:
+    return DataConfig(source=str(synthetic_data_dir), vocab_size=500, max_length=32)
+
+
+def cache_entries(cache: Path) -> dict[str, tuple[int, int]]:
+    """{file name: (inode, mtime)} of the cache: an entry written again (atomically, by a rename) changes both."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache.iterdir()}
 
 
 def assert_same_prepared(a, b) -> None:
@@ -888,38 +750,24 @@ def test_an_unusable_validation_split_says_how_to_do_without(with_validation_dir
     assert len(prepare_train_data(dataclasses.replace(cfg, val_split=""), seed=0).val) == 40
 
 
-def test_an_empty_validation_split_is_refused(data_cfg, monkeypatch):
-    # datasets itself refuses an empty split file; a split emptied any other way must not yield NaN metrics
-    real = data_mod.load_splits
-
-    def emptied(cfg, splits, optional=(), label_names=None):
-        raw, labels = real(cfg, splits, label_names=label_names)
-        return {**raw, "validation": raw["train"].subset(np.arange(0))}, labels
-
-    monkeypatch.setattr(data_mod, "load_splits", emptied)
-    with pytest.raises(TfmError, match=r"the validation split of .* is empty; fill it, or set data.val_split"):
-        prepare_train_data(data_cfg, seed=0)
-
-
-def test_second_prepare_hits_the_cache(data_cfg, monkeypatch):
+def test_second_prepare_hits_the_cache(data_cfg, cache):
     first = prepare_train_data(data_cfg, seed=0)
-    cached = sorted(p.name.split("-")[0] for p in Path(data_cfg.cache_dir).iterdir())
-    assert cached == ["encoded", "encoded", "tokenizer"]
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("the cache was not used")
-
-    monkeypatch.setattr(data_mod, "train_tokenizer", forbidden)
-    monkeypatch.setattr(data_mod, "encode_texts", forbidden)
+    entries = cache_entries(cache)
+    assert sorted(name.split("-")[0] for name in entries) == ["encoded", "encoded", "tokenizer"]
     assert_same_prepared(prepare_train_data(data_cfg, seed=0), first)
+    assert cache_entries(cache) == entries  # read, not made and written again
 
 
-def test_changed_max_length_reuses_the_tokenizer_but_reencodes(data_cfg, monkeypatch):
+def test_changed_max_length_reuses_the_tokenizer_but_reencodes(data_cfg, cache):
     first = prepare_train_data(data_cfg, seed=0)
-    monkeypatch.setattr(data_mod, "train_tokenizer", lambda *a, **k: pytest.fail("tokenizer retrained"))
+    entries = cache_entries(cache)
     shorter = prepare_train_data(dataclasses.replace(data_cfg, max_length=8), seed=0)
     assert shorter.tokenizer.to_str() == first.tokenizer.to_str()
     assert shorter.train.lengths.max() == 8 < first.train.lengths.max()
+    now = cache_entries(cache)
+    assert {k: v for k, v in now.items() if k.startswith("tokenizer")} == {
+        k: v for k, v in entries.items() if k.startswith("tokenizer")}  # not trained again
+    assert len(now) == len(entries) + 2 and entries.items() <= now.items()  # train and validation encoded anew
 
 
 def test_train_max_length_cuts_the_training_reviews_only(data_cfg):
@@ -934,15 +782,16 @@ def test_train_max_length_cuts_the_training_reviews_only(data_cfg):
         assert np.array_equal(getattr(cut.val, field), getattr(whole.val, field)), field
 
 
-@pytest.mark.parametrize("change", [{"truncation": "head"}, {"head_fraction": 0.75}, {"lowercase": False},
-                                    {"vocab_size": 100}, {"tokenizer": "bpe"}], ids=lambda c: next(iter(c)))
-def test_a_changed_setting_is_not_served_from_the_cache(data_cfg, tmp_path, change):
+@pytest.mark.parametrize("change", [{"truncation": "head"}, {"head_fraction": 0.75}, {"vocab_size": 100},
+                                    {"long_text": "windows"}], ids=lambda c: next(iter(c)))
+def test_a_changed_setting_is_not_served_from_the_cache(data_cfg, tmp_path, monkeypatch, change):
     """Prepared beside the cache of the same data under other settings, the result is what a fresh
     cache gives: every setting that changes the tokenizer or the encoding is part of its cache key."""
     short = dataclasses.replace(data_cfg, max_length=16)  # reviews are cut, so the cut's settings matter
     first = prepare_train_data(short, seed=0)
     changed = prepare_train_data(dataclasses.replace(short, **change), seed=0)
-    fresh = prepare_train_data(dataclasses.replace(short, cache_dir=str(tmp_path / "fresh"), **change), seed=0)
+    monkeypatch.setenv("TFM_CACHE", str(tmp_path / "fresh"))
+    fresh = prepare_train_data(dataclasses.replace(short, **change), seed=0)
     assert_same_prepared(changed, fresh)
     assert not (np.array_equal(changed.train.ids, first.train.ids)
                 and changed.tokenizer.to_str() == first.tokenizer.to_str())  # the setting did change the result
@@ -957,7 +806,7 @@ def test_a_single_label_is_refused(tmp_path):
     rows = [{"text": f"text number {i}", "label": 0} for i in range(20)]
     write_jsonl(tmp_path / "train.jsonl", rows)
     with pytest.raises(TfmError, match=r"has only one class \(0\); a classifier needs examples of at least two"):
-        prepare_train_data(DataConfig(source=str(tmp_path / "train.jsonl"), cache_dir=str(tmp_path / "c")), seed=0)
+        prepare_train_data(DataConfig(source=str(tmp_path / "train.jsonl")), seed=0)
 
 
 def test_encoded_subset_keeps_the_chosen_reviews_in_the_given_order():

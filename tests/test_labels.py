@@ -118,13 +118,13 @@ def three_class_rows() -> list[dict]:
     return make_three_class_examples(90, seed=4)
 
 
-def data_cfg(source, tmp_path, **fields) -> DataConfig:
-    return DataConfig(source=str(source), vocab_size=200, max_length=32, cache_dir=str(tmp_path / "cache"), **fields)
+def data_cfg(source, **fields) -> DataConfig:
+    return DataConfig(source=str(source), vocab_size=200, max_length=32, **fields)
 
 
 def test_three_classes_of_text_labels_are_split_and_encoded(three_class_rows, tmp_path):
     path = write_csv(tmp_path / "reviews.csv", three_class_rows)
-    prepared = prepare_train_data(data_cfg(path, tmp_path), seed=0)
+    prepared = prepare_train_data(data_cfg(path), seed=0)
     assert prepared.labels == THREE_CLASSES
     want = Counter(r["label"] for r in three_class_rows)
     got = Counter(THREE_CLASSES[i] for i in [*prepared.train.labels, *prepared.val.labels])
@@ -135,14 +135,15 @@ def test_three_classes_of_text_labels_are_split_and_encoded(three_class_rows, tm
 def test_a_class_with_one_example_cannot_be_validated_on(three_class_rows, tmp_path):
     rows = [*three_class_rows, {"text": "so so, I guess", "label": "mixed"}]
     with pytest.raises(TfmError, match=r"class 'mixed' has no examples in the validation part of .*; holding some out "
-                                       r"of train for validation needs at least 2 of each class"):
-        train_val_splits(data_cfg(write_csv(tmp_path / "r.csv", rows), tmp_path), seed=0)
+                                       r"of train for validation needs at least 2 examples of each class; add "
+                                       r"examples$"):
+        train_val_splits(data_cfg(write_csv(tmp_path / "r.csv", rows)), seed=0)
 
 
 def test_a_validation_split_without_a_class_is_refused(three_class_rows, tmp_path):
     train = write_csv(tmp_path / "train.csv", three_class_rows)
     val = write_csv(tmp_path / "val.csv", [r for r in make_three_class_examples(30, seed=5) if r["label"] != "neutral"])
-    cfg = data_cfg(f"train={train},validation={val}", tmp_path)
+    cfg = data_cfg(f"train={train},validation={val}")
     with pytest.raises(TfmError, match=r"class 'neutral' has no examples in the validation part of .*; add some to the "
                                        r"'validation' split, or set data.val_split = \"\" to hold out part of train"):
         train_val_splits(cfg, seed=0)
@@ -154,7 +155,7 @@ def test_a_training_subset_without_a_class_is_refused(tmp_path):
         {"text": f"bad {i}", "label": "neg"} for i in range(2)]
     with pytest.raises(TfmError, match=r"class 'neg' has no examples in the training part .*raise "
                                        r"data.max_train_samples"):
-        train_val_splits(data_cfg(write_csv(tmp_path / "r.csv", rows), tmp_path, max_train_samples=5), seed=0)
+        train_val_splits(data_cfg(write_csv(tmp_path / "r.csv", rows), max_train_samples=5), seed=0)
 
 
 # --------------------------------------------------------------------------- end to end

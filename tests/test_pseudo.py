@@ -6,12 +6,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, make_examples, read_jsonl, write_jsonl
+from conftest import CONFIGS, edit_config, make_examples, read_jsonl, write_jsonl
 from test_cli import assert_fails_cleanly, json_lines, tfm
 
 from transformer_cli.config import DataConfig
 from transformer_cli.data import prepare_train_data, train_val_splits
 from transformer_cli.errors import TfmError, UsageError
+from transformer_cli.evaluate import predict_texts
 from transformer_cli.pseudo import UNLABELLED_SPLIT, split_table
 
 
@@ -39,44 +40,24 @@ def test_pseudo_label_writes_what_predict_says_of_each_review(trained_dir, unlab
     assert f"{len(rows)} reviews ({counts['neg']} neg, {counts['pos']} pos)" in r.stdout
 
 
-def test_teachers_average_their_probabilities(trained_dir, tmp_path, monkeypatch):
-    """Two teachers: the mean of their probabilities, whose winner may be neither one's."""
-    from datasets import Dataset
-
-    from transformer_cli import pseudo
-
-    texts = ["first review", "second review", "third review"]
-    monkeypatch.setattr(pseudo, "split_table", lambda *_: Dataset.from_dict({"text": texts}))
-    answers = iter([np.array([[0.9, 0.1], [0.4, 0.6], [0.45, 0.55]]), np.array([[0.6, 0.4], [0.8, 0.2], [0.65, 0.35]])])
-    monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
+def test_teachers_average_their_probabilities_class_by_class_by_name(trained_dir, model_dir, unlabelled, tmp_path):
+    """Two teachers: the mean of the probabilities `tfm predict` gives each class, by name. The second lists
+    its classes as pos, neg (a ClassLabel's order, say) and is sharper (a lower temperature)."""
+    source, texts = unlabelled
+    edit_config(model_dir, labels=["pos", "neg"], calibration={"temperature": 0.3})
     out = tmp_path / "p.jsonl"
-    summary = pseudo.pseudo_label([trained_dir, trained_dir], out)
-    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.75},
-                               {"text": "second review", "label": "neg", "score": 0.6},
-                               {"text": "third review", "label": "neg", "score": 0.55}]
-    assert summary["per_class"] == {"neg": 3, "pos": 0}
-
-
-def test_teachers_that_list_their_classes_in_other_orders_average_them_by_name(trained_dir, tmp_path, monkeypatch):
-    """A teacher whose dataset named its classes pos, neg (e.g. a ClassLabel) shares them with one of neg,
-    pos: its probabilities are averaged class by class, in the first teacher's order."""
-    from datasets import Dataset
-
-    from transformer_cli import pseudo
-
-    texts = ["first review", "second review"]
-    monkeypatch.setattr(pseudo, "split_table", lambda *_: Dataset.from_dict({"text": texts}))
-    real = pseudo.load_for_inference
-    loaded = iter([real(trained_dir, "cpu", None), real(trained_dir, "cpu", None)._replace(labels=["pos", "neg"])])
-    monkeypatch.setattr(pseudo, "load_for_inference", lambda *a: next(loaded))
-    # the first teacher's columns are (neg, pos), the second's (pos, neg)
-    answers = iter([np.array([[0.9, 0.1], [0.3, 0.7]]), np.array([[0.3, 0.7], [0.9, 0.1]])])
-    monkeypatch.setattr(pseudo, "predict_proba", lambda *a, **k: next(answers))
-    out = tmp_path / "p.jsonl"
-    summary = pseudo.pseudo_label([trained_dir, tmp_path / "other"], out)
-    assert read_jsonl(out) == [{"text": "first review", "label": "neg", "score": 0.8},
-                               {"text": "second review", "label": "pos", "score": 0.8}]
-    assert summary["per_class"] == {"neg": 1, "pos": 1}
+    r = tfm("pseudo-label", "-c", trained_dir, "-c", model_dir, "--data", source, "-o", out)
+    assert r.exit_code == 0, r.stderr
+    first, second = (predict_texts(d, texts, device="cpu") for d in (trained_dir, model_dir))
+    mean = [{name: (a["probabilities"][name] + b["probabilities"][name]) / 2 for name in ("neg", "pos")}
+            for a, b in zip(first, second)]
+    rows = read_jsonl(out)
+    assert [row["text"] for row in rows] == texts
+    assert [row["label"] for row in rows] == [max(m, key=m.get) for m in mean]
+    assert [row["score"] for row in rows] == pytest.approx([max(m.values()) for m in mean], abs=2e-6)
+    assert any(row["label"] != a["label"] for row, a in zip(rows, first))  # not the first teacher's alone
+    by_column = [(a["probabilities"]["neg"] + b["probabilities"]["pos"]) / 2 for a, b in zip(first, second)]
+    assert by_column != pytest.approx([m["neg"] for m in mean], abs=1e-3)  # the second's first column is pos
 
 
 def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unlabelled, tmp_path, monkeypatch):
@@ -91,9 +72,9 @@ def test_a_split_is_read_labelled_and_written_a_chunk_at_a_time(trained_dir, unl
     seen = []
     real = pseudo.predict_proba
 
-    def spy(model, tokenizer, chunk, *args):
-        seen.append(len(chunk))
-        return real(model, tokenizer, chunk, *args)
+    def spy(model, enc, *args):
+        seen.append(len(enc))
+        return real(model, enc, *args)
 
     monkeypatch.setattr(pseudo, "predict_proba", spy)
     monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 7)
@@ -162,11 +143,10 @@ def test_an_existing_output_is_replaced_only_with_force(trained_dir, unlabelled,
 
 @pytest.mark.parametrize("layout", ["file", "named", "folder", "link"])
 def test_the_data_being_labelled_is_never_overwritten(trained_dir, tmp_path, monkeypatch, layout):
-    """Not even with --force, whatever the output's spelling, and before the split is read: the file
-    holds gold labels (`--data unl.jsonl --split train -o unl.jsonl` replaced them with pseudo-labels)."""
-    from transformer_cli import pseudo
-
-    rows = [{"text": "a good film", "label": 1}, {"text": "a dull film", "label": 0}]
+    """Not even with --force, whatever the output's spelling, and before the split is read (its blank review
+    would be refused, exit 1): the file holds gold labels (`--data unl.jsonl --split train -o unl.jsonl`
+    replaced them with pseudo-labels)."""
+    rows = [{"text": "a good film", "label": 1}, {"text": "a dull film", "label": 0}, {"text": " ", "label": 0}]
     monkeypatch.chdir(tmp_path)
     Path("data").mkdir()
     data = write_jsonl(Path("data/train.jsonl"), rows)
@@ -179,7 +159,6 @@ def test_the_data_being_labelled_is_never_overwritten(trained_dir, tmp_path, mon
     }[layout]
     if layout == "link":
         Path("link.jsonl").symlink_to(data.absolute())
-    monkeypatch.setattr(pseudo, "split_table", lambda *a: pytest.fail("the split was read"))
     for force in ([], ["--force"]):
         assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "--data", source, "--split", "train", "-o", output,
                                  *force), 2, f"--output '{output}' is the command's input")
@@ -317,7 +296,8 @@ def test_pseudo_label_usage_errors(trained_dir, synthetic_data_dir, tmp_path):
 def test_an_empty_review_is_named_before_any_is_labelled(trained_dir, tmp_path, monkeypatch):
     from transformer_cli import pseudo
 
-    monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 2)  # the bad row in the second chunk: its row counts from the split's start
+    # the bad row in the second chunk: its row counts from the split's start
+    monkeypatch.setattr(pseudo, "CHUNK_TEXTS", 2)
     path = write_jsonl(tmp_path / "u.jsonl", [{"text": "a good film"}, {"text": "dull"}, {"text": "  "}])
     out = tmp_path / "p.jsonl"
     with pytest.raises(TfmError, match=r"empty or non-text value in column 'text' \(row 3\)"):
@@ -325,12 +305,9 @@ def test_an_empty_review_is_named_before_any_is_labelled(trained_dir, tmp_path, 
     assert not out.exists()
 
 
-def test_teachers_must_share_their_classes(trained_dir, tmp_path, monkeypatch):
-    from transformer_cli import pseudo
-
-    real = pseudo.load_for_inference
-    loaded = iter([real(trained_dir, "cpu", None), real(trained_dir, "cpu", None)._replace(labels=["bad", "good"])])
-    monkeypatch.setattr(pseudo, "load_for_inference", lambda *a: next(loaded))
-    with pytest.raises(TfmError, match="teachers must share their classes"):
-        pseudo.pseudo_label([trained_dir, tmp_path / "other"], tmp_path / "p.jsonl")
-    assert not (tmp_path / "p.jsonl").exists()
+def test_teachers_must_share_their_classes(trained_dir, model_dir, tmp_path):
+    edit_config(model_dir, labels=["bad", "good"])
+    out = tmp_path / "p.jsonl"
+    assert_fails_cleanly(tfm("pseudo-label", "-c", trained_dir, "-c", model_dir, "-o", out), 1,
+                         "has classes bad, good", "teachers must share their classes")
+    assert not out.exists()

@@ -8,19 +8,22 @@ from test_cli import assert_fails_cleanly, tfm
 
 from transformer_cli import report
 from transformer_cli.calibration import expected_calibration_error
-from transformer_cli.errors import TfmError
+from transformer_cli.evaluate import metrics_from_confusion
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class Page(HTMLParser):
-    """The images and links of a page, and the text of each element with an id."""
+    """The images and links of a page, the text of each element with an id, and the rows (each a list of
+    its cells' text) of the per-class table."""
 
     def __init__(self):
         super().__init__()
         self.refs: list[str] = []
         self.by_id: dict[str, str] = {}
+        self.per_class: list[list[str]] = []
         self._id = None
+        self._in_per_class = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -28,9 +31,21 @@ class Page(HTMLParser):
             self.refs.append(a["src"])
         if tag == "a" and "href" in a:
             self.refs.append(a["href"])
+        if tag == "table":
+            self._in_per_class = a.get("id") == "per_class"
+        if tag == "tr" and self._in_per_class:
+            self.per_class.append([])
+        if tag in ("th", "td") and self._in_per_class:
+            self.per_class[-1].append("")
         self._id = a.get("id")
 
+    def handle_endtag(self, tag):
+        if tag == "table":
+            self._in_per_class = False
+
     def handle_data(self, data):
+        if self._in_per_class and self.per_class and self.per_class[-1]:
+            self.per_class[-1][-1] += data.strip()
         if self._id:
             self.by_id[self._id] = data.strip()
             self._id = None
@@ -57,28 +72,36 @@ def assert_complete_report(folder: Path) -> Page:
     return page
 
 
-def three_class_outputs(n: int = 300, seed: int = 0):
+def assert_per_class_table(page: Page, metrics: dict) -> None:
+    """The page's per-class table: a header, then each class's precision, recall, F1 and support, by name."""
+    assert page.per_class[0] == ["class", "precision", "recall", "f1", "support"]
+    assert page.per_class[1:] == [[name, f"{c['precision']:.4f}", f"{c['recall']:.4f}", f"{c['f1']:.4f}",
+                                   str(c["support"])] for name, c in metrics["per_class"].items()]
+
+
+def three_class_outputs(n: int = 300, seed: int = 0, names=("neg", "mixed", "pos")):
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 3, n)
     logits = rng.normal(size=(n, 3)) + 2.0 * np.eye(3)[labels]
     probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     confusion = np.zeros((3, 3), dtype=int)
     np.add.at(confusion, (labels, probs.argmax(1)), 1)
-    metrics = {"data": "reviews.jsonl", "split": "test", "labels": ["neg", "mixed", "pos"], "num_examples": n,
-               "accuracy": float((probs.argmax(1) == labels).mean()), "loss": 0.5,
-               "ece": expected_calibration_error(probs, labels), "confusion_matrix": confusion.tolist(),
-               "temperature": 1.25}
+    metrics = {"data": "reviews.jsonl", "split": "test", "loss": 0.5, "ece": expected_calibration_error(probs, labels),
+               "temperature": 1.25, **metrics_from_confusion(confusion, list(names))}
+    assert metrics["accuracy"] == (probs.argmax(1) == labels).mean()
     return metrics, probs, labels, rng.integers(3, 400, n)
 
 
 def test_report_of_three_classes(tmp_path):
-    metrics, probs, labels, lengths = three_class_outputs()
+    metrics, probs, labels, lengths = three_class_outputs(names=("neg", "mixed & <unsure>", "pos"))
     path = report.write_report(tmp_path / "rep", metrics, probs, labels, lengths)
     assert path == tmp_path / "rep" / "report.html"
     page = assert_complete_report(tmp_path / "rep")
     assert page.by_id["ece"] == f"{metrics['ece']:.4f}"
     assert page.by_id["accuracy"] == f"{metrics['accuracy']:.4f}"
+    assert page.by_id["macro_f1"] == f"{metrics['macro_f1']:.4f}"
     assert page.by_id["temperature"] == "1.2500"
+    assert_per_class_table(page, metrics)  # a class's name as it is, markup characters too
 
 
 def test_a_report_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
@@ -110,8 +133,7 @@ def test_a_report_that_fails_midway_leaves_the_earlier_one_whole(tmp_path, monke
 def test_label_names_are_drawn_as_they_are(tmp_path, names):
     """Dollar signs are no math: price levels "$", "$$", "$$$" are labels that matplotlib's mathtext
     cannot parse, and "$0-$10" would lose its dollars."""
-    metrics, probs, labels, lengths = three_class_outputs()
-    metrics["labels"] = names
+    metrics, probs, labels, lengths = three_class_outputs(names=names)
     report.write_report(tmp_path / "rep", metrics, probs, labels, lengths)
     assert_complete_report(tmp_path / "rep")
     fig = report.confusion_figure(np.asarray(metrics["confusion_matrix"]), names)
@@ -182,16 +204,13 @@ def test_accuracy_by_length_bins():
         (0, 32, 2, 0.5), (32, 64, 2, 0.5), (512, 1024, 1, 1.0)]
 
 
-def test_report_folder_and_matplotlib_are_checked_first(tmp_path, monkeypatch):
+def test_the_report_folder_is_checked_before_the_evaluation(tmp_path):
     (tmp_path / "file").write_text("x")
     assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "file")), 2,
                          "--report", "is a file")
     (tmp_path / "old" / "pr_curve.png").mkdir(parents=True)  # where a picture goes: found before the evaluation
     assert_fails_cleanly(tfm("evaluate", "-c", str(tmp_path / "nowhere"), "--report", str(tmp_path / "old")), 2,
                          f"--report '{tmp_path / 'old' / 'pr_curve.png'}' is a directory")
-    monkeypatch.setattr(report, "have_matplotlib", lambda: False)
-    with pytest.raises(TfmError, match=r"pip install 'transformer-cli\[viz\]'"):
-        report.check_report_dir(tmp_path / "rep")
 
 
 def test_evaluate_report_matches_evaluate_json(trained_dir, tmp_path):
@@ -204,5 +223,7 @@ def test_evaluate_report_matches_evaluate_json(trained_dir, tmp_path):
     assert page.by_id["accuracy"] == f"{m['accuracy']:.4f}"
     assert page.by_id["examples"] == str(m["num_examples"])
     assert page.by_id["temperature"] == f"{m['temperature']:.4f}"
+    assert page.by_id["macro_f1"] == f"{m['macro_f1']:.4f}"
+    assert_per_class_table(page, m)
     text = tfm("evaluate", "-c", trained_dir, "--device", "cpu")
     assert f"ece        {m['ece']:.4f}" in text.stdout

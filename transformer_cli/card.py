@@ -9,7 +9,7 @@ import json
 import shlex
 from pathlib import Path
 
-from transformer_cli.config import PRETRAINED_KIND, Config
+from transformer_cli.config import PRETRAINED_KIND, Config, saved_config
 from transformer_cli.fileio import atomic_write_text, read_json
 
 CARD_FILE = "README.md"
@@ -21,7 +21,8 @@ def write_card(out: str | Path, test: dict | None = None) -> Path:
     metrics.json holds, if any)."""
     out = Path(out)
     meta, metrics = read_json(out / "config.json", "config"), read_json(out / "metrics.json", "metrics")
-    cfg = Config.from_dict({k: meta[k] for k in ("model", "data", "train", "pretrain") if k in meta})
+    saved = saved_config(meta, out / "config.json")
+    cfg = Config.from_dict({k: saved[k] for k in ("model", "data", "train", "pretrain") if k in saved})
     test = test or metrics.get("test")
     pretrained = meta.get("kind") == PRETRAINED_KIND
     front = _front_matter(out.name, cfg, metrics, test, pretrained)
