@@ -15,7 +15,19 @@ from test_cli import NEGATIVE_TEXT, POSITIVE_TEXT, assert_fails_cleanly, json_li
 from transformer_cli.calibration import saved_temperature
 from transformer_cli.errors import TfmError
 from transformer_cli.evaluate import load_model_dir
-from transformer_cli.explain import IG_STEPS, display_pieces, faithfulness, integrated_gradients, review_ids
+from transformer_cli.explain import (
+    CUT_MARK,
+    IG_STEPS,
+    Explained,
+    cut_positions,
+    explain_texts,
+    faithfulness,
+    integrated_gradients,
+    review_ids,
+    review_spans,
+    rich_text,
+    shown_pieces,
+)
 from transformer_cli.model import CTransformer
 from transformer_cli.tokens import PAD_ID
 
@@ -40,7 +52,7 @@ def calibrated_dir(model_dir) -> Path:
     return model_dir
 
 
-def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(calibrated_dir):
+def test_predict_explain_json_gives_the_models_pieces_their_spans_and_attributions(calibrated_dir):
     r = tfm("predict", "-c", calibrated_dir, "--json", "--explain", POSITIVE_TEXT, NEGATIVE_TEXT)
     assert r.exit_code == 0, r.stderr
     plain = json_lines(tfm("predict", "-c", calibrated_dir, "--json", POSITIVE_TEXT, NEGATIVE_TEXT).stdout)
@@ -50,6 +62,10 @@ def test_predict_explain_json_gives_the_models_pieces_and_its_attributions(calib
         assert {k: out[k] for k in before} == before  # predict's own fields unchanged
         ids = review_ids(tokenizer, [text], cfg.data)[0]
         assert out["tokens"] == [tokenizer.id_to_token(int(i)) for i in ids[1:]]
+        assert len(out["spans"]) == len(out["tokens"])
+        for token, (start, end) in zip(out["tokens"], out["spans"]):  # each span holds its token's own text
+            if token.removeprefix("##").isascii() and token.removeprefix("##").isalnum():
+                assert text[start:end].lower() == token.removeprefix("##")
         # attributions to the probability predict gives (calibrated by the run's temperature)
         target = labels.index(out["label"])
         assert temperature == 0.5 and probability(model, ids, target, temperature) == pytest.approx(out["score"])
@@ -158,54 +174,133 @@ def test_faithfulness_leaves_out_reviews_with_nothing_to_hide():
         faithfulness(Raising(), [(torch.tensor([2]), 0, np.zeros(0))])
 
 
-class Spans(HTMLParser):
-    """The text of every <span class="t"> of a page, and every URL-like attribute."""
+REVIEWS = ["GREAT film!<br /><br />The café scene was SUPERB 😀, naïve but wonderfully acted.",
+           "  Terrible.   Boring, awful <br/>film\u2026 I hated it  "]
+
+
+def explained(model_dir, texts: list[str]) -> list[Explained]:
+    from transformer_cli.evaluate import predict_texts
+
+    return explain_texts(model_dir, texts, predict_texts(model_dir, texts, "cpu"), "cpu")
+
+
+def test_the_display_is_the_reviews_own_text(trained_dir):
+    """Upper case, <br /> tags, accents, an emoji and words of several pieces are shown as written, not as the
+    tokenizer reads them; spaces and characters the tokenizer dropped stand between the coloured spans."""
+    _, _, tokenizer, _, _ = load_model_dir(trained_dir)
+    assert any(t.startswith("##") for t in tokenizer.encode(REVIEWS[0], add_special_tokens=False).tokens)
+    for text, e in zip(REVIEWS, explained(trained_dir, REVIEWS)):
+        assert e.cut is None and rich_text(e).plain == text
+        pieces = shown_pieces(e)
+        assert "".join(piece for _, piece, _ in pieces) == text
+        assert sum(a for kind, _, a in pieces if kind == "token") == pytest.approx(sum(e.attributions))
+    r = tfm("predict", "-c", trained_dir, "--explain", POSITIVE_TEXT)
+    assert r.exit_code == 0, r.stderr
+    first, second = r.stdout.splitlines()[:2]
+    assert first.startswith("pos\t") and second == POSITIVE_TEXT
+
+
+def test_pieces_that_share_characters_are_shown_once_with_their_summed_attribution():
+    """NFKC turns one character into several ("\u2026" into "...", three tokens): it is shown once, as one span."""
+    e = Explained("Wow\u2026 ok", ["wow", ".", ".", ".", "ok"], [0.1, 0.2, 0.3, -0.4, 0.5], 0.0,
+                  [(0, 3), (3, 4), (3, 4), (3, 4), (5, 7)])
+    pieces = shown_pieces(e)
+    assert [(kind, piece) for kind, piece, _ in pieces] == [("token", "Wow"), ("token", "\u2026"), ("plain", " "),
+                                                            ("token", "ok")]
+    assert pieces[1][2] == pytest.approx(0.1)
+
+
+def test_a_review_cut_to_the_models_length_shows_its_own_start_and_end(trained_dir):
+    """A review longer than the model reads loses its middle (head_tail) or its end (head): the display shows
+    the review's own start and end as written, and an ellipsis for what the model did not read."""
+    _, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
+    limit = cfg.data.max_length - 1
+    long = "I LOVED it, Superb. " + "The middle goes on and on. " * 60 + "A wonderful ENDING, truly great."
+    whole = "great " * limit  # just fits
+    for truncation in ("head_tail", "head"):
+        data_cfg = dataclasses.replace(cfg.data, truncation=truncation)
+        ids = review_ids(tokenizer, [long, whole], data_cfg)
+        cuts = cut_positions(tokenizer, [long, whole], ids, data_cfg)
+        for text, row, spans, cut in zip([long, whole], ids, review_spans(tokenizer, [long, whole], data_cfg), cuts):
+            assert len(spans) == len(row) - 1
+            shown = rich_text(Explained(text, [], [0.0] * len(spans), 0.0, spans, cut)).plain
+            if text == whole:
+                assert cut is None and shown == whole
+            elif truncation == "head":
+                assert shown == text[: spans[-1][1]] + f" {CUT_MARK}" and shown.startswith("I LOVED it, Superb. The")
+            else:
+                start, end = shown.split(f" {CUT_MARK} ")
+                assert text.startswith(start) and text.endswith(end) and len(shown) < len(text) / 2
+                assert start.startswith("I LOVED it, Superb. The") and end.endswith("A wonderful ENDING, truly great.")
+
+    page_review = "I loved it. " + "The middle goes on and on. " * 60 + "A wonderful ending."
+    r = tfm("predict", "-c", trained_dir, "--explain", page_review, POSITIVE_TEXT)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.count(CUT_MARK) == 1 and POSITIVE_TEXT in r.stdout
+
+
+class Page(HTMLParser):
+    """Of a page: the text of every <span class="t">, of each review (with its cut mark) and of each cut mark,
+    every tag and every URL-like attribute."""
 
     def __init__(self):
         super().__init__()
-        self.tokens, self.urls, self.tags, self._in = [], [], set(), False
+        self.tokens, self.reviews, self.cuts, self.urls, self.tags, self._in = [], [], [], [], set(), []
 
     def handle_starttag(self, tag, attrs):
         self.tags.add(tag)
         attrs = dict(attrs)
         self.urls += [v for k, v in attrs.items() if k in ("src", "href", "srcset", "action") and v]
-        if tag == "span" and attrs.get("class") == "t":
-            self._in = True
-            self.tokens.append("")
+        self._in.append(attrs.get("class"))
+        if attrs.get("class") == "review":
+            self.reviews.append("")
+        elif attrs.get("class") in ("t", "cut"):
+            (self.tokens if attrs["class"] == "t" else self.cuts).append("")
 
     def handle_endtag(self, tag):
-        if tag == "span":
-            self._in = False
+        self._in.pop()
 
     def handle_data(self, data):
-        if self._in:
+        if "t" in self._in:
             self.tokens[-1] += data
+        if "cut" in self._in:
+            self.cuts[-1] += data
+        if "review" in self._in:
+            self.reviews[-1] += data
 
 
-def test_explain_html_page_holds_every_token_and_nothing_external(trained_dir, tmp_path):
+def test_explain_html_page_shows_the_reviews_own_text_safely(trained_dir, tmp_path):
     page = tmp_path / "out" / "explain.html"
-    tricky = 'Great <b>film</b> & "superb" cast, I loved it'
+    tricky = 'Great <b>film</b> & "superb" cast,<br /><br />I LOVED it <script>alert(1)</script> café 😀'
     r = tfm("explain", "-c", trained_dir, "--html", page, POSITIVE_TEXT, tricky)
     assert r.exit_code == 0, r.stderr
     assert sorted(p.name for p in page.parent.iterdir()) == ["explain.html"]  # no temp file left
     content = page.read_text(encoding="utf-8")
-    parser = Spans()
+    parser = Page()
     parser.feed(content)
+    assert parser.reviews == [POSITIVE_TEXT, tricky] and parser.cuts == []  # markup in a review is text
     expected = []
-    for out in json_lines(tfm("predict", "-c", trained_dir, "--json", "--explain", POSITIVE_TEXT, tricky).stdout):
-        expected += [piece for _, piece in display_pieces(out["tokens"])]
+    for text, out in zip([POSITIVE_TEXT, tricky], json_lines(
+            tfm("predict", "-c", trained_dir, "--json", "--explain", POSITIVE_TEXT, tricky).stdout)):
+        expected += [text[start:end] for start, end in out["spans"]]
         assert f"{out['label']} ({out['score']:.3f})" in content
     assert parser.tokens == expected and len(expected) > 10
-    assert parser.urls == [] and not {"script", "link", "img", "iframe"} & parser.tags
+    assert parser.urls == [] and parser.tags == {"html", "head", "meta", "title", "style", "body", "h1", "p",
+                                                 "span", "section", "h2"}
     assert not re.search(r"https?:|url\(|@import", content)
 
 
-def test_predict_explain_text_shows_the_review(trained_dir):
-    r = tfm("predict", "-c", trained_dir, "--explain", POSITIVE_TEXT)
-    assert r.exit_code == 0, r.stderr
-    first, second = r.stdout.splitlines()[:2]
-    assert first.startswith("pos\t")
-    assert "great wonderful film" in second
+def test_explain_html_page_marks_the_cut(trained_dir, tmp_path):
+    long = "I loved it. " + "The middle goes on and on. " * 60 + "A wonderful ending."
+    page = tmp_path / "page.html"
+    assert tfm("explain", "-c", trained_dir, "--html", page, long, POSITIVE_TEXT).exit_code == 0
+    content = page.read_text(encoding="utf-8")
+    assert content.count('class="cut"') == 1 and content.index('class="cut"') < content.index("<h2>2.")
+    parser = Page()
+    parser.feed(content)
+    assert parser.cuts == [f" {CUT_MARK} "] and CUT_MARK not in "".join(parser.tokens)  # the mark is no token
+    start, end = parser.reviews[0].split(f" {CUT_MARK} ")
+    assert long.startswith(start) and long.endswith(end) and parser.reviews[1] == POSITIVE_TEXT
 
 
 def test_explain_usage_errors(trained_dir, tmp_path):
@@ -227,33 +322,3 @@ def test_explain_usage_errors(trained_dir, tmp_path):
     assert_fails_cleanly(tfm("explain", "-c", trained_dir, "--file", reviews, "--html", reviews), 2,
                          f"--html '{reviews}' is the command's input")
     assert reviews.read_text(encoding="utf-8") == "good\nbad\n"
-
-
-def test_a_review_cut_to_the_models_length_is_shown_cut_where_it_was(trained_dir, tmp_path):
-    """A review longer than the model reads loses its middle (head_tail) or end (head): the display marks
-    the cut, and a word's continuation after it does not join the piece before it."""
-    from transformer_cli.explain import CUT_MARK, cut_positions, rich_text
-
-    _, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
-    limit = cfg.data.max_length - 1
-    assert tokenizer.encode("great", add_special_tokens=False).ids.__len__() == 1
-    texts = ["great " * limit, "great " * (limit + 1), "great " * 1000]
-    for truncation, head in (("head_tail", round(limit * cfg.data.head_fraction)), ("head", limit)):
-        data_cfg = dataclasses.replace(cfg.data, truncation=truncation)
-        assert cut_positions(tokenizer, texts, review_ids(tokenizer, texts, data_cfg), data_cfg) == [None, head, head]
-    assert display_pieces(["char", "##ged", "on"], cut=1) == [("", "char"), (" ", "ged"), (" ", "on")]
-    assert rich_text(["char", "##ged"], [0.0, 0.0], cut=1).plain == f"char {CUT_MARK} ged"
-    assert rich_text(["the", "end"], [0.0, 0.0], cut=2).plain == f"the end {CUT_MARK}"
-    assert rich_text(["the", "end"], [0.0, 0.0]).plain == "the end"
-
-    long = "I loved it. " + "The middle goes on and on. " * 60 + "A wonderful ending."
-    r = tfm("predict", "-c", trained_dir, "--explain", long, POSITIVE_TEXT)
-    assert r.exit_code == 0, r.stderr
-    assert r.stdout.count(CUT_MARK) == 1 and "great wonderful film" in r.stdout
-    page = tmp_path / "page.html"
-    assert tfm("explain", "-c", trained_dir, "--html", page, long, POSITIVE_TEXT).exit_code == 0
-    content = page.read_text(encoding="utf-8")
-    assert content.count('class="cut"') == 1 and content.index('class="cut"') < content.index("<h2>2.")
-    parser = Spans()
-    parser.feed(content)
-    assert CUT_MARK not in "".join(parser.tokens)  # the mark is no token

@@ -318,7 +318,8 @@ def predict(
     precision: InferPrecision = None,
     explain: Annotated[bool, typer.Option(
         "--explain", help="Also each token's contribution to the predicted label (integrated gradients, in fp32; "
-        "slower): coloured text, or 'tokens' and 'attributions' with --json.")] = False,
+        "slower): the review coloured, or 'tokens', 'attributions' and 'spans' (their characters in the "
+        "review) with --json.")] = False,
     ig_steps: IgSteps = None,
 ) -> None:
     """Print the predicted label and its probability for each review, in input order."""
@@ -331,7 +332,8 @@ def predict(
     explained = _explanations(checkpoint, inputs, results, device, ig_steps) if explain else [None] * len(inputs)
     for text, r, e in zip(inputs, results, explained):
         if as_json:
-            typer.echo(json.dumps(r if e is None else {**r, "tokens": e.tokens, "attributions": e.attributions}))
+            typer.echo(json.dumps(r if e is None else {**r, "tokens": e.tokens, "attributions": e.attributions,
+                                                       "spans": e.spans}))
         else:
             typer.echo(f"{r['label']}\t{r['score']:.4f}\t{snippet(text)}")
             if e is not None:
@@ -339,7 +341,7 @@ def predict(
 
                 from transformer_cli.explain import rich_text
 
-                Console(highlight=False).print(rich_text(e.tokens, e.attributions, e.cut))
+                Console(highlight=False).print(rich_text(e))
 
 
 def _explanations(checkpoint: Path, inputs: list[str], results: list[dict], device: str, steps: int | None) -> list:
@@ -483,8 +485,7 @@ def explain_reviews(
     explained = _explanations(checkpoint, inputs, results, device, ig_steps)
     from transformer_cli.explain import write_html
 
-    write_html(html, [{**r, "tokens": e.tokens, "attributions": e.attributions, "cut": e.cut}
-                      for r, e in zip(results, explained)])
+    write_html(html, list(zip(results, explained)))
     typer.echo(f"wrote {html} ({len(inputs)} review{'s' if len(inputs) != 1 else ''})")
 
 

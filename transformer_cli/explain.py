@@ -10,7 +10,10 @@ IG_BATCH at a time. Written here rather than with captum's LayerIntegratedGradie
 model four more times per review (twice to record the layer's outputs at the review and the
 baseline, twice for the convergence delta): more than the path itself at IG_STEPS nodes. The tokens
 are the tokenizer's pieces of the review as the model read it (truncated as in training), without
-[CLS].
+[CLS], each with its span in the review's own text: (start, end) in characters (Python string
+indices), which `tokenizers` maps back through the normalizer (<br /> tags, NFKC, lowercasing). The
+displays show the review's own text, each token's span coloured, an ellipsis for what the model
+did not read.
 
 `faithfulness` checks that the attributions mean something: hiding a review's most-attributed
 tokens (as padding, through the mask) must lower the label's probability more than hiding as many
@@ -27,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_cli.data import PAD_ID, encode_texts
+from transformer_cli.data import PAD_ID, encode_texts, truncate
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
 
 # Gauss-Legendre nodes on the path. Each costs about 2.6 plain predictions (a forward and a
 # backward pass); on unlabelled IMDB reviews the default model's attributions at 3 nodes are as
-# faithful as at 16 and agree with 256 nodes' nearly as well (docs/inspect.md). More nodes mostly
+# faithful as at 16 and agree with 256 nodes' nearly as well (docs/results.md). More nodes mostly
 # bring the attributions' sum closer to p(review) - p(baseline); they refine the ranking little.
 IG_STEPS = 3
 IG_BATCH = 16  # nodes per forward pass: memory stays bounded with many nodes and long reviews
@@ -41,9 +44,11 @@ IG_BATCH = 16  # nodes per forward pass: memory stays bounded with many nodes an
 
 @dataclass
 class Explained:
-    tokens: list[str]  # the review's pieces as the model read them, without [CLS]
+    text: str  # the review
+    tokens: list[str]  # its pieces as the model read them, without [CLS]
     attributions: list[float]  # each piece's contribution to the label's probability
     delta: float  # sum(attributions) - (p(review) - p(baseline)): the integral's error
+    spans: list[tuple[int, int]]  # each piece's (start, end) in `text`
     cut: int | None = None  # a review longer than the model reads: how many of `tokens` come before the cut
 
 
@@ -51,6 +56,13 @@ def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
     """Each text's (T,) ids as the model reads them: [CLS] + its truncated subword ids."""
     ids, offsets = encode_texts(tokenizer, texts, data_cfg.max_length, data_cfg.truncation, data_cfg.head_fraction)
     return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
+
+
+def review_spans(tokenizer, texts: list[str], data_cfg) -> list[list[tuple[int, int]]]:
+    """Each text's (start, end) character span of each piece review_ids keeps of it, without [CLS]."""
+    tokenizer.encode_special_tokens = True  # as encode_texts reads them
+    return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation, data_cfg.head_fraction)
+            for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg) -> list[int | None]:
@@ -106,13 +118,6 @@ def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_
     return attr, float(attr.sum() - (p_review - p_baseline))
 
 
-def explain_ids(model, tokenizer, ids: torch.Tensor, target: int, steps: int = IG_STEPS,
-                temperature: float = 1.0, cut: int | None = None) -> Explained:
-    attr, delta = integrated_gradients(model, ids, target, steps, temperature)
-    tokens = [tokenizer.id_to_token(int(i)) for i in ids[1:]]
-    return Explained(tokens, [float(a) for a in attr[1:]], delta, cut)
-
-
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
                   steps: int | None = None) -> list[Explained]:
     """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
@@ -120,8 +125,12 @@ def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dic
 
     _, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
     ids = review_ids(tokenizer, texts, cfg.data)
-    explained = [explain_ids(model, tokenizer, row, labels.index(p["label"]), steps or IG_STEPS, temperature, cut)
-                 for row, p, cut in zip(ids, predictions, cut_positions(tokenizer, texts, ids, cfg.data))]
+    explained = []
+    for text, row, spans, cut, p in zip(texts, ids, review_spans(tokenizer, texts, cfg.data),
+                                        cut_positions(tokenizer, texts, ids, cfg.data), predictions, strict=True):
+        attr, delta = integrated_gradients(model, row, labels.index(p["label"]), steps or IG_STEPS, temperature)
+        tokens = [tokenizer.id_to_token(int(i)) for i in row[1:]]
+        explained.append(Explained(text, tokens, attr[1:].tolist(), delta, spans, cut))
     return explained
 
 
@@ -175,56 +184,74 @@ def faithfulness(model, reviews: list[tuple[torch.Tensor, int, np.ndarray]], fra
 CUT_MARK = "\u2026"  # shown where a review longer than the model reads was cut
 
 
-def display_pieces(tokens: list[str], cut: int | None = None) -> list[tuple[str, str]]:
-    """(space before, text) of each piece: a WordPiece continuation ("##ing") joins the piece before it,
-    except across the `cut` (Explained.cut), where the two pieces were not neighbours in the review."""
-    return [("" if t.startswith("##") and i and i != cut else " " if i else "", t.removeprefix("##"))
-            for i, t in enumerate(tokens)]
-
-
-def _cut_mark(i: int, n: int, cut: int | None) -> str:
-    """What stands before piece i of n (i == n: after the last) for a review cut at `cut`: the mark, spaced."""
-    if cut is None or i != cut:
-        return ""
-    return CUT_MARK + " " if i == 0 else " " + CUT_MARK
+def shown_pieces(e: Explained) -> list[tuple[str, str, float]]:
+    """The review's own text in order, as (kind, text, attribution): "token" for a piece's span (pieces
+    that share characters, as the three of "ﬃ" do, as one span with their attributions' sum), "plain"
+    for what lies between spans (spaces, characters the tokenizer dropped), "cut" for the ellipsis that
+    stands for the text the model did not read (the middle with data.truncation "head_tail", the end
+    with "head")."""
+    pieces, pos = [], 0
+    for i, ((start, end), a) in enumerate(zip(e.spans, e.attributions)):
+        if i == e.cut:
+            pieces.append(("cut", f" {CUT_MARK} " if i else f"{CUT_MARK} ", 0.0))
+            pos = start
+        if start < pos and pieces[-1][0] == "token":
+            _, shared, total = pieces.pop()
+            pieces.append(("token", shared + e.text[pos:end], total + a))
+        else:
+            if start > pos:
+                pieces.append(("plain", e.text[pos:start], 0.0))
+            pieces.append(("token", e.text[start:end], a))
+        pos = max(pos, end)
+    if e.cut is not None and e.cut == len(e.spans):
+        pieces.append(("cut", f" {CUT_MARK}", 0.0))
+    elif pos < len(e.text):
+        pieces.append(("plain", e.text[pos:], 0.0))
+    return pieces
 
 
 def shown_text(tokens: list[str], cut: int | None = None) -> str:
-    """The review's pieces as plain text, joined as display_pieces joins them, CUT_MARK where it was cut."""
-    pieces = display_pieces(tokens, cut)
-    return "".join(_cut_mark(i, len(tokens), cut) + space + piece for i, (space, piece) in enumerate(pieces)) \
-        + _cut_mark(len(tokens), len(tokens), cut)
+    """Pieces as plain text where the review's own text is not at hand: a WordPiece continuation ("##ing")
+    joins the piece before it, except across the `cut` (Explained.cut), marked by CUT_MARK."""
+    text = ""
+    for i, t in enumerate(tokens):
+        if i == cut:
+            text += f" {CUT_MARK} " if i else f"{CUT_MARK} "
+        elif i:
+            text += "" if t.startswith("##") else " "
+        text += t.removeprefix("##")
+    return text + (f" {CUT_MARK}" if cut is not None and cut == len(tokens) else "")
 
 
-def _strengths(attributions: list[float]) -> np.ndarray:
-    a = np.asarray(attributions, dtype=np.float64)
-    peak = np.abs(a).max() if len(a) else 0.0
-    return a / peak if peak > 0 else np.zeros_like(a)
+def _strengths(pieces: list[tuple[str, str, float]]) -> list[float]:
+    """Each piece's attribution over the largest |attribution| of the tokens': in [-1, 1]."""
+    peak = max((abs(a) for kind, _, a in pieces if kind == "token"), default=0.0)
+    return [a / peak if peak > 0 else 0.0 for _, _, a in pieces]
 
 
-def rich_text(tokens: list[str], attributions: list[float], cut: int | None = None):
+def rich_text(e: Explained):
     """The review as a rich Text: green behind tokens that speak for the label, red against, by strength;
-    a dim ellipsis where it was cut (`cut`: Explained.cut)."""
+    a dim ellipsis where it was cut."""
     from rich.text import Text
 
     text = Text()
-    for i, ((space, piece), s) in enumerate(zip(display_pieces(tokens, cut), _strengths(attributions))):
-        text.append(_cut_mark(i, len(tokens), cut), style="dim")
-        text.append(space)
-        if abs(s) < 0.05:
+    pieces = shown_pieces(e)
+    for (kind, piece, _), s in zip(pieces, _strengths(pieces)):
+        if kind == "cut":
+            text.append(piece, style="dim")
+        elif kind == "plain" or abs(s) < 0.05:
             text.append(piece)
-            continue
-        fade = round(255 * (1 - abs(s)))
-        rgb = (fade, 255, fade) if s > 0 else (255, fade, fade)
-        text.append(piece, style=f"black on rgb({rgb[0]},{rgb[1]},{rgb[2]})")
-    text.append(_cut_mark(len(tokens), len(tokens), cut), style="dim")
+        else:
+            fade = round(255 * (1 - abs(s)))
+            rgb = (fade, 255, fade) if s > 0 else (255, fade, fade)
+            text.append(piece, style=f"black on rgb({rgb[0]},{rgb[1]},{rgb[2]})")
     return text
 
 
 PAGE_STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #111; }
 h1 { font-size: 1.3rem; } h2 { font-size: 1.05rem; margin-bottom: 0.3rem; }
-.review { line-height: 1.9; border: 1px solid #ddd; border-radius: 6px; padding: 0.6rem 0.8rem; }
+.review { line-height: 1.9; border: 1px solid #ddd; border-radius: 6px; padding: 0.6rem 0.8rem; white-space: pre-wrap; }
 .t { border-radius: 3px; padding: 0.05rem 0; }
 .legend span { padding: 0.1rem 0.4rem; border-radius: 3px; margin-right: 0.5rem; }
 """
@@ -235,35 +262,32 @@ LEGEND = ('<p class="legend"><span style="background: rgba(22,163,74,0.6)">for t
           "embeddings; hover a token for its contribution to the label's probability)</p>")
 
 
-def html_page(items: list[dict]) -> str:
-    """One self-contained page (no external resource): each item's label, probability and tokens, each
-    token's background green (for the label) or red (against) by the strength of its attribution, and
-    an ellipsis where a review was cut. `items`: {"label", "score", "tokens", "attributions"} and
-    optionally "cut" (Explained.cut)."""
+def html_page(items: list[tuple[dict, Explained]]) -> str:
+    """One self-contained page (no external resource): each review's label and probability (of its
+    prediction, the dict) and its own text, each token's span's background green (for the label) or red
+    (against) by the strength of its attribution, which its title gives, and an ellipsis where it was cut."""
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              "<title>tfm explain</title>", f"<style>{PAGE_STYLE}</style></head><body>",
              "<h1>Why each review got its label</h1>",
              LEGEND]
-    for n, item in enumerate(items, 1):
-        parts.append(f"<section><h2>{n}. {html.escape(item['label'])} ({item['score']:.3f})</h2>"
+    for n, (prediction, e) in enumerate(items, 1):
+        parts.append(f"<section><h2>{n}. {html.escape(prediction['label'])} ({prediction['score']:.3f})</h2>"
                      '<p class="review">')
-        tokens, cut = item["tokens"], item.get("cut")
-        for i, ((space, piece), s, a) in enumerate(zip(display_pieces(tokens, cut), _strengths(item["attributions"]),
-                                                       item["attributions"])):
-            parts.append(_cut_span(i, len(tokens), cut))
-            colour = "22,163,74" if s > 0 else "220,38,38"
-            parts.append(f'{space}<span class="t" style="background: rgba({colour},{abs(s):.3f})" '
-                         f'title="{a:+.4f}">{html.escape(piece)}</span>')
-        parts.append(_cut_span(len(tokens), len(tokens), cut) + "</p></section>")
+        pieces = shown_pieces(e)
+        for (kind, piece, a), s in zip(pieces, _strengths(pieces)):
+            if kind == "cut":
+                parts.append(f'<span class="cut" title="the review was cut here, to the {len(e.tokens)} tokens the '
+                             f'model reads">{html.escape(piece)}</span>')
+            elif kind == "plain":
+                parts.append(html.escape(piece))
+            else:
+                colour = "22,163,74" if s > 0 else "220,38,38"
+                parts.append(f'<span class="t" style="background: rgba({colour},{abs(s):.3f})" '
+                             f'title="{a:+.4f}">{html.escape(piece)}</span>')
+        parts.append("</p></section>")
     parts.append("</body></html>\n")
     return "".join(parts)
 
 
-def _cut_span(i: int, n: int, cut: int | None) -> str:
-    mark = _cut_mark(i, n, cut)
-    return mark and (f'<span class="cut" title="the review was cut here, to the {n} tokens the model reads">'
-                     f"{html.escape(mark)}</span>")
-
-
-def write_html(path: Path, items: list[dict]) -> None:
+def write_html(path: Path, items: list[tuple[dict, Explained]]) -> None:
     atomic_write_text(path, html_page(items))
