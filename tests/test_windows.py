@@ -84,3 +84,16 @@ def test_the_exported_graph_reads_windows_as_predict_does(windowed_run, tmp_path
     onnx_probs = OnnxClassifier(tmp_path / "m.onnx").proba(texts)
     mine = np.array([[r["probabilities"][k] for k in ("neg", "pos")] for r in predict_texts(out, texts, device="cpu")])
     np.testing.assert_allclose(onnx_probs, mine, atol=1e-4)
+
+
+def test_explanations_cover_every_token_of_a_review_read_in_windows(windowed_run):
+    from transformer_cli.explain import explain_texts
+
+    out, _ = windowed_run
+    review = " ".join(["a great film but an awful boring plot"] * 8)  # many windows of 16 tokens
+    (prediction,) = predict_texts(out, [review], device="cpu")
+    (e,) = explain_texts(out, [review], [prediction], device="cpu", steps=512)
+    assert e.cut is None and len(e.tokens) == len(e.attributions) == len(e.spans) > 5 * 16
+    assert abs(e.delta) < 1e-3  # the attributions add up to the change of the (window-averaged) probability
+    great = [a for t, a in zip(e.tokens, e.attributions) if t == "great"]
+    assert len(great) == 8 and len(set(great)) > 1  # every window's tokens are attributed, each in its context

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_cli.data import PAD_ID, encode_texts, truncate
+from transformer_cli.data import PAD_ID, encode_texts, read_length, truncate, window_bounds
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
 
@@ -53,22 +53,27 @@ class Explained:
 
 
 def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
-    """Each text's (T,) ids as the model reads them: [CLS] + its truncated subword ids."""
-    ids, offsets = encode_texts(tokenizer, texts, data_cfg.max_length, data_cfg.truncation, data_cfg.head_fraction)
+    """Each text's (T,) ids as the model reads them: [CLS] + its subword ids, truncated (or whole, for windows)."""
+    ids, offsets = encode_texts(tokenizer, texts, read_length(data_cfg), data_cfg.truncation, data_cfg.head_fraction)
     return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
 
 
 def review_spans(tokenizer, texts: list[str], data_cfg) -> list[list[tuple[int, int]]]:
     """Each text's (start, end) character span of each piece review_ids keeps of it, without [CLS]."""
     tokenizer.encode_special_tokens = True  # as encode_texts reads them
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    if read_length(data_cfg) is None:  # windows: every piece
+        return [e.offsets for e in encodings]
     return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation, data_cfg.head_fraction)
-            for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+            for e in encodings]
 
 
 def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg) -> list[int | None]:
     """Where each review (`ids`: review_ids' of `texts`) was cut to the model's length: None where it
     was read whole, else how many of its pieces come before the cut (the head of data.truncation's
     "head_tail"; all of them with "head": its end was cut)."""
+    if read_length(data_cfg) is None:  # windows: nothing is cut
+        return [None] * len(texts)
     limit = data_cfg.max_length - 1
     head = limit if data_cfg.truncation == "head" else round(limit * data_cfg.head_fraction)
     cuts: list[int | None] = []
@@ -80,55 +85,64 @@ def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg
     return cuts
 
 
-def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_STEPS,
-                         temperature: float = 1.0) -> tuple[np.ndarray, float]:
+def integrated_gradients(model, ids: torch.Tensor, target: int, steps: int = IG_STEPS, temperature: float = 1.0,
+                         window: int | None = None) -> tuple[np.ndarray, float]:
     """((T,) attributions to the probability of label `target`, [CLS]'s included; the integral's error
     sum(attributions) - (p(review) - p(baseline))) for one review's (T,) ids, integrated over `steps`
-    Gauss-Legendre nodes. `model` is a CTransformer in eval mode; its logits are divided by
-    `temperature` (its calibration) before the softmax."""
+    Gauss-Legendre nodes. `model` is a CTransformer in eval mode; its logits are divided by `temperature` (its
+    calibration) before the softmax. With `window`, the review is read as its windows (data.long_text), whose
+    logits are averaged: the attributions are of every token of the whole review."""
     if steps < 1:
         raise TfmError(f"integrated gradients need at least 1 step, not {steps}")
     device = next(model.parameters()).device
-    ids = ids.to(device)[None]  # (1, T)
-    baseline = ids.clone()
-    baseline[:, 1:] = PAD_ID  # [CLS] stays: its attribution is 0
-    ends = torch.cat([ids, baseline])  # (2, T)
-    mask = torch.ones_like(ids, dtype=torch.bool)  # (1, T)
+    bounds = window_bounds(len(ids), window) if window else np.array([1, len(ids)])
+    pieces = [torch.cat([ids[:1], ids[a:b]]) for a, b in itertools.pairwise(bounds)]
+    rows = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True, padding_value=PAD_ID).to(device)  # (R, W)
+    mask = rows != PAD_ID  # (R, W); [CLS] is never [PAD]
+    baseline = rows.masked_fill(mask & (torch.arange(rows.size(1), device=device) > 0), PAD_ID)  # [CLS] stays
+    R, W = rows.shape
     embedding = model.encoder.tok_emb
+
+    def probability(logits: torch.Tensor) -> torch.Tensor:  # (b * R, L) -> (b,): of the windows' mean logits
+        return (logits.float().view(-1, R, logits.size(-1)).mean(1) / temperature).softmax(-1)[:, target]
+
     with torch.no_grad():
-        p_review, p_baseline = (model(ends, mask.expand(2, -1)).float() / temperature).softmax(-1)[:, target].tolist()
-        x, x0 = embedding(ends).float().chunk(2)  # (1, T, C) each
+        p_review, p_baseline = probability(model(torch.cat([rows, baseline]), mask.repeat(2, 1))).tolist()
+        x, x0 = embedding(torch.cat([rows, baseline])).float().chunk(2)  # (R, W, C) each
     nodes, weights = np.polynomial.legendre.leggauss(steps)  # on [-1, 1]
     alpha = torch.as_tensor((nodes + 1) / 2, dtype=x.dtype, device=device)  # (n,): the nodes on [0, 1]
     w = torch.as_tensor(weights / 2, dtype=x.dtype, device=device)  # (n,): their weights on [0, 1]
-    integral = torch.zeros_like(x[0])  # (T, C): the weighted sum of the nodes' gradients
+    integral = torch.zeros_like(x)  # (R, W, C): the weighted sum of the nodes' gradients
     for start in range(0, steps, IG_BATCH):
         a = alpha[start : start + IG_BATCH]  # (b,)
-        path = (x0 + a[:, None, None] * (x - x0)).requires_grad_(True)  # (b, T, C): embeddings on the path
+        path = (x0 + a[:, None, None, None] * (x - x0)).flatten(0, 1).requires_grad_(True)  # (b * R, W, C)
         hook = embedding.register_forward_hook(lambda module, args, out, path=path: path)  # replaces the lookup
         try:
             with torch.enable_grad():
-                logits = model(ids.expand(len(a), -1), mask.expand(len(a), -1))  # (b, L)
-                p = (logits.float() / temperature).softmax(-1)[:, target]  # (b,)
-                (grad,) = torch.autograd.grad(p.sum(), path)  # (b, T, C): each node's own gradient
+                p = probability(model(rows.repeat(len(a), 1), mask.repeat(len(a), 1)))  # (b,)
+                (grad,) = torch.autograd.grad(p.sum(), path)  # (b * R, W, C): each node's own gradient
         finally:
             hook.remove()
-        integral += torch.einsum("b,btc->tc", w[start : start + IG_BATCH], grad)
-    attr = ((x - x0)[0] * integral).sum(-1).cpu().double().numpy()  # (T,): summed over C
+        integral += torch.einsum("b,brwc->rwc", w[start : start + IG_BATCH], grad.view(len(a), R, W, -1))
+    per_row = ((x - x0) * integral).sum(-1).cpu().double().numpy()  # (R, W): summed over C
+    attr = np.zeros(len(ids))
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+        attr[a:b] = per_row[k, 1 : 1 + b - a]  # a window's [CLS] is no token of the review: its attribution is 0
     return attr, float(attr.sum() - (p_review - p_baseline))
 
 
 def explain_texts(model_dir: str | Path, texts: list[str], predictions: list[dict], device: str = "auto",
                   steps: int | None = None) -> list[Explained]:
     """The explanation of each text's predicted label (`predictions`: predict_texts' results for `texts`)."""
-    from transformer_cli.evaluate import load_for_inference
+    from transformer_cli.evaluate import load_for_inference, window_of
 
     _, model, cfg, tokenizer, labels, temperature = load_for_inference(model_dir, device, "fp32")  # gradients in fp32
     ids = review_ids(tokenizer, texts, cfg.data)
     explained = []
     for text, row, spans, cut, p in zip(texts, ids, review_spans(tokenizer, texts, cfg.data),
                                         cut_positions(tokenizer, texts, ids, cfg.data), predictions, strict=True):
-        attr, delta = integrated_gradients(model, row, labels.index(p["label"]), steps or IG_STEPS, temperature)
+        attr, delta = integrated_gradients(model, row, labels.index(p["label"]), steps or IG_STEPS, temperature,
+                                           window_of(cfg.data))
         tokens = [tokenizer.id_to_token(int(i)) for i in row[1:]]
         explained.append(Explained(text, tokens, attr[1:].tolist(), delta, spans, cut))
     return explained
