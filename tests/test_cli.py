@@ -456,7 +456,7 @@ def test_imbalance_warning_names_the_class_never_predicted():
     majority = metrics_from_confusion([[95, 0], [5, 0]], ["common", "rare"])  # every example called "common"
     warning = imbalance_warning(majority)
     assert warning.startswith("it never predicts 'rare' on validation (macro-F1 0.4872, accuracy 0.9500)")
-    assert "train.select_metric=macro_f1" in warning
+    assert "train.class_weights=balanced" in warning and "train.select_metric=macro_f1" in warning
     assert imbalance_warning(metrics_from_confusion([[90, 5], [3, 2]], ["common", "rare"])) is not None  # F1 low
     assert imbalance_warning(metrics_from_confusion([[48, 2], [3, 47]], ["neg", "pos"])) is None
 

@@ -26,7 +26,7 @@ from transformer_cli.data import (
     truncate,
 )
 from transformer_cli.data import text as text_mod
-from transformer_cli.data.text import characters, splits_words
+from transformer_cli.data.text import characters
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.tokens import CLS_ID, PAD_ID, PAD_MULTIPLE, SPECIAL_TOKENS
 
@@ -259,14 +259,21 @@ def test_wordpiece_refuses_texts_it_cannot_read_twice(train_texts):
         train_tokenizer(iter(train_texts), DataConfig(vocab_size=500), len(train_texts))
 
 
-def test_characters_are_normalized_and_leave_out_whitespace():
+def test_characters_are_normalized():
     from tokenizers import normalizers
 
     normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     # "c" + a combining acute composes to one character; the ligature "fi" splits in two
-    assert characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", ",", "\u0107", "d", "f", "i", "!",
-                                                                      "x", "y"}
-    assert [c for c in ", a . \u2014 b \u00bf\x1c" if not splits_words(c)] == ["a", "b", "\x1c"]
+    assert characters(["Ab, c\u0301d \ufb01!", "X\ty"], normalizer) == {"a", "b", ",", " ", "\u0107", "d", "f", "i",
+                                                                      "!", "x", "\t", "y"}
+
+
+def test_only_characters_that_continue_words_have_continuations():
+    """Whitespace is in no word, and a word never continues with punctuation (a dash, an inverted question
+    mark); a control character such as U+001C is neither."""
+    vocab = train_tokenizer(["a, b. c\u2014d \u00bfe f\x1cg"] * 3, DataConfig(vocab_size=100)).get_vocab()
+    assert {"a", ",", "\u2014", "\u00bf", "\x1c", "##b", "##\x1c"} <= vocab.keys()
+    assert not {" ", "## ", "##,", "##.", "##\u2014", "##\u00bf"} & vocab.keys()
 
 
 def test_the_alphabet_comes_before_the_continuations_as_the_trainer_orders_them(tokenizer):
@@ -612,7 +619,7 @@ def test_load_aclimdb(acl_root, acl_tarball, where):
         assert sorted(pairs(splits[split])) == expected_acl(split)
     optional, _ = load_splits(cfg_for(source), ("train",), ("test", "validation"))  # what it has of them
     assert sorted(optional) == ["test", "train"] and sorted(pairs(optional["test"])) == expected_acl("test")
-    with pytest.raises(UsageError, match="has only 'train' and 'test' splits, not 'unsup'"):
+    with pytest.raises(UsageError, match="has only the splits train, test, unsupervised, not 'unsup'"):
         load_splits(cfg_for(source), ("unsup",))
 
 
@@ -625,7 +632,8 @@ def test_aclimdb_as_a_text_source_has_the_hubs_splits(acl_root, acl_tarball, whe
     assert sorted(d) == ["test", "train", "unsupervised"]
     for split in ("train", "test"):
         assert sorted(d[split]["text"]) == sorted(text for text, _ in expected_acl(split))
-    assert d["unsupervised"]["text"] == ["unlabelled"]
+    assert d["unsupervised"]["text"] == ["unlabelled"] and d["unsupervised"]["label"] == [-1]  # as the Hub's
+    assert sorted(zip(d["train"]["text"], d["train"]["label"])) == expected_acl("train")
     files = data_mod.source_files(source)  # what an output must not overwrite
     assert files == [acl_tarball] if where == "tarball" else len(files) == len(ACL_FILES) + 1
 

@@ -11,10 +11,11 @@ import pytest
 from conftest import read_scalars, tiny_config
 
 from transformer_cli import checkpoint as ckpt
-from transformer_cli import train as train_mod
 from transformer_cli.config import load_config
 from transformer_cli.errors import TfmError, UsageError
-from transformer_cli.train import train
+from transformer_cli.training import classify
+from transformer_cli.training.classify import train
+from transformer_cli.training.pretrain import pretrain
 
 # 360 training reviews in batches of 16: 23 steps an epoch, 92 in 4 epochs. Validated every 4 steps and at
 # epoch ends (4, 8, ..., 20, 23, 24, ...); the tiny model's validation loss stops falling well before 92.
@@ -66,7 +67,7 @@ def test_an_interrupted_run_resumed_stops_at_the_same_step(early_run, synthetic_
     full, full_metrics = early_run
     out = tmp_path / "run"
     stop_at = next(s for s in VALIDATED if s > full_metrics["best_step"])  # after one pass without a better loss
-    real_collate, calls = train_mod.collate, []
+    real_collate, calls = classify.collate, []
 
     def collate(enc, idx):  # SIGTERM while that step's batch is read: it ends, validates and checkpoints
         calls.append(1)
@@ -74,7 +75,8 @@ def test_an_interrupted_run_resumed_stops_at_the_same_step(early_run, synthetic_
             signal.raise_signal(signal.SIGTERM)
         return real_collate(enc, idx)
 
-    monkeypatch.setattr(train_mod, "collate", collate)
+    # The one patch: the signal must arrive at a chosen step, and collating a training batch is where a step begins.
+    monkeypatch.setattr(classify, "collate", collate)
     with pytest.raises(TfmError, match="stopped by SIGTERM"):
         train(early_cfg(synthetic_data_dir, out), progress=False)
     saved = ckpt.load_checkpoint(ckpt.checkpoint_dirs(out)[-1])[0]["state"]
@@ -135,8 +137,6 @@ def test_patience_and_select_metric_are_validated():
 
 
 def test_pretrain_refuses_a_metric_it_does_not_measure(synthetic_data_dir, tmp_path):
-    from transformer_cli.pretrain import pretrain
-
     cfg = tiny_config(synthetic_data_dir, tmp_path / "pre", train__select_metric="macro_f1")
     with pytest.raises(UsageError, match=r"train.select_metric = 'macro_f1': `tfm pretrain` measures the masked-LM "
                                          r"loss and accuracy only"):

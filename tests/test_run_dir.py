@@ -65,7 +65,7 @@ def test_two_runs_started_together_leave_one_whole_model(synthetic_data_dir, tmp
 def test_a_full_disk_names_the_file_and_keeps_the_last_checkpoint(synthetic_data_dir, tmp_path, monkeypatch):
     """A write that fails with ENOSPC after the first checkpoint: one line that names the file and says how to go
     on; the checkpoint before it is whole, and --resume then finishes the run."""
-    import transformer_cli.fileio as fileio
+    from transformer_cli import fileio
 
     cfg = tiny_config(synthetic_data_dir, tmp_path / "run", train__checkpoint_every=10)
     real_fsync, calls = os.fsync, {"n": 0}

@@ -73,7 +73,8 @@ def test_wrong_panel_shows_the_most_confident_mistakes_first():
     assert rows[0].split(" | ")[1:3] == ["b", "a"]
     assert "4 wrong" in panel
     assert all(len(r.split(" | ")[3]) <= 302 for r in rows)  # reviews cut to a few hundred characters
-    assert wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars(), [""] * 6, UNCUT).startswith("No validation review")
+    right = wrong_panel(np.eye(3)[labels], enc, ["a", "b", "c"], Chars(), [""] * 6, UNCUT)
+    assert right.startswith("No validation review")
 
 
 def test_wrong_panel_keeps_its_columns_whatever_the_labels_hold():
@@ -124,11 +125,13 @@ def test_attention_title_gives_the_probability_tfm_predict_prints(model_dir, mon
     edit_config(model_dir, calibration={"temperature": 0.5})
     model, cfg, tokenizer, labels, temperature = load_model_dir(model_dir)
     titles = []
-    monkeypatch.setattr(tb_pictures, "attention_figure", lambda maps, tokens, title: titles.append(title) or new_figure())
+    monkeypatch.setattr(tb_pictures, "attention_figure",
+                        lambda maps, tokens, title: titles.append(title) or new_figure())
     texts = ["A wonderful film, I loved it.", "the plot " * 40]
     writer = Images()
+    d = cfg.data
     for text in texts:
-        ids, offsets = encode_texts(tokenizer, [text], cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+        ids, offsets = encode_texts(tokenizer, [text], d.max_length, d.truncation, d.head_fraction)
         tb_pictures.log_attention(writer, 1, model, Encoded(ids, offsets, np.array([1])), labels, tokenizer, temperature)
     assert writer.tags == ["val/attention"] * 2
     p = predict_texts(model_dir, texts[:1], device="cpu")[0]
@@ -158,10 +161,11 @@ def test_attention_maps_are_the_attention_the_model_applies(norm, pos_emb):
     outputs = []
     hooks = [b.attn.register_forward_hook(lambda m, args, out: outputs.append((args[0], out)))
              for b in model.encoder.blocks]
-    maps = attention_maps(model, ids, mask)
+    maps, logits = attention_maps(model, ids, mask)
     for h in hooks:
         h.remove()
     assert len(maps) == 2 and maps[0].shape == (2, 4, 9, 9)
+    torch.testing.assert_close(logits, model(ids, mask))
     for att, (x, out), block in zip(maps, outputs, model.encoder.blocks, strict=True):
         assert torch.allclose(att.sum(-1), torch.ones(2, 4, 9))
         assert (att[1, :, :, 6:] == 0).all()  # no attention on padding

@@ -1,15 +1,10 @@
 """Calibration: how far a classifier's probabilities can be trusted, and temperature scaling to fix them.
 
-A trained classifier is often over-confident: of the reviews it calls 95% sure, fewer than 95% are
-right. Temperature scaling divides the logits by one scalar T > 0, fitted on the validation split to
-minimise the negative log-likelihood (T > 1 softens the probabilities, T < 1 sharpens them); the
-predicted labels, and so accuracy, do not change. `tfm train` fits T after training and stores it in
-config.json under "calibration"; `tfm predict` and `tfm evaluate` divide the logits by it. A model
-saved without it has T = 1.
-
-The expected calibration error (ECE) measures the gap: the examples are put in `BINS` equal-width
-bins of their top probability, and ECE is the mean over examples of |accuracy - mean top
-probability| of their bin.
+Temperature scaling divides the logits by one scalar T > 0, fitted on the validation split to minimise
+the negative log-likelihood; the predicted labels do not change. `tfm train` stores T in config.json under
+"calibration" and `tfm predict` and `tfm evaluate` divide by it (T = 1 for a model saved without it).
+The expected calibration error (ECE): the mean over examples of |accuracy - mean top probability| of
+their bin, among `BINS` equal-width bins of the top probability.
 """
 
 from __future__ import annotations
@@ -32,11 +27,8 @@ LOG_T_RANGE = (math.log(T_RANGE[0]), math.log(T_RANGE[1]))
 
 def fit_temperature(logits: torch.Tensor, labels: np.ndarray | torch.Tensor, max_iter: int = 100) -> float:
     """The T > 0 that minimises the mean NLL of softmax(logits / T) on (logits, labels): L-BFGS on log T,
-    in float64, from T = 1; deterministic. Clamped to [0.01, 100].
-
-    1.0 for no examples, and for a split where every label has the strictly largest logit: there the
-    NLL falls all the way to T -> 0, no T fits, and the bound would make the model all but certain of
-    every prediction, wrong ones included.
+    in float64, from T = 1; deterministic; clamped to T_RANGE. 1.0 for no examples, and where every label
+    has the strictly largest logit: there the NLL falls all the way to T -> 0, and no T fits.
     """
     if len(logits) == 0:
         return 1.0
@@ -64,9 +56,8 @@ def reliability(probs: np.ndarray, labels: np.ndarray, bins: int = BINS) -> dict
     """Per bin of the top probability (bin b holds (b/bins, (b+1)/bins], bin 0 also 0): "count",
     "confidence" (mean top probability) and "accuracy" (share predicted right), 0 where empty; and
     "edges" (bins + 1,)."""
-    probs, labels = np.asarray(probs, dtype=np.float64), np.asarray(labels)
-    conf = probs.max(axis=1) if len(probs) else np.zeros(0)
-    right = (probs.argmax(axis=1) == labels).astype(np.float64) if len(probs) else np.zeros(0)
+    probs = np.asarray(probs, dtype=np.float64)
+    conf, right = probs.max(axis=1), (probs.argmax(axis=1) == np.asarray(labels)).astype(np.float64)
     which = np.clip(np.ceil(conf * bins).astype(np.int64) - 1, 0, bins - 1)
     count = np.bincount(which, minlength=bins).astype(np.float64)
     safe = np.maximum(count, 1)
@@ -89,9 +80,8 @@ def expected_calibration_error(probs: np.ndarray, labels: np.ndarray, bins: int 
 
 
 def softmax(logits: torch.Tensor | np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """(N, K) float64 probabilities of logits / temperature. In numpy: torch's softmax shares even a few
-    rows between its threads, whose OpenMP worker then spins for about 5 ms, CPU time lost after
-    every small call (docs/experiments.md#evaluation-speed)."""
+    """(N, K) float64 probabilities of logits / temperature, in numpy: torch's softmax on a few rows would
+    wake its thread pool, which then spins, CPU time lost after every small call."""
     z = np.asarray(logits, dtype=np.float64) / temperature
     e = np.exp(z - z.max(-1, keepdims=True))  # shifted by each row's largest: no overflow
     return e / e.sum(-1, keepdims=True)
@@ -116,11 +106,6 @@ def calibrate(logits: torch.Tensor, labels: np.ndarray) -> dict:
         "bins": BINS,
         "num_examples": len(y),
     }
-
-
-def summary_line(cal: dict, split: str = "validation") -> str:
-    return (f"calibration: temperature {cal['temperature']:.3f}; {split} ECE {cal['ece_before']:.4f} -> "
-            f"{cal['ece_after']:.4f}, NLL {cal['nll_before']:.4f} -> {cal['nll_after']:.4f}")
 
 
 def temperature_of(meta: dict, where: str = "config.json") -> float:

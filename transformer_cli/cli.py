@@ -286,6 +286,39 @@ def pretrain(
                f"{metrics['best_step']} ({metrics['train_time_sec']:.0f} s of training)")
 
 
+@app.command(context_settings={"allow_extra_args": False})
+def tune(
+    space: Annotated[Path, typer.Option(
+        "--space", help='TOML search space: a table per config field, e.g. ["train.lr"], with low and high (and log '
+        "or step) or choices.", show_default=False)],
+    trials: Annotated[int, typer.Option("--trials", min=1, help="Trials to run to the end or prune, counted over "
+                                        "every process of the study.", show_default=False)],
+    output_dir: Annotated[str, typer.Option(
+        "--output-dir", "-o", help="The study's folder: study.db, trials/NNNN (each a `tfm train` run), best.toml.",
+        show_default=False)],
+    overrides: Overrides = None, config: ConfigFile = None, data: Data = None,
+    timeout: Annotated[str | None, typer.Option(help='Start no trial after this long ("90m", "2h").',
+                                                show_default=False)] = None,
+    storage: Annotated[str | None, typer.Option(
+        help="Optuna storage URL (sqlite:///FILE, postgresql://..., mysql://...) that processes share; default: "
+        "sqlite in the study's folder.", show_default=False)] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the study (after a crash, or with more "
+                                         "--trials), or join it from another process.")] = False,
+) -> None:
+    """Search hyperparameters: train trials chosen by Optuna, prune poor ones early, write the best settings as
+    OUTPUT_DIR/best.toml."""
+    cfg = _training_config("train", config, overrides, {"data.source": data}, False, None)
+    from transformer_cli.tune import tune as run_tune  # imports torch
+
+    r = run_tune(cfg, space, trials, output_dir, timeout, storage, resume)
+    typer.echo(r.table)
+    if r.best_dir is None:
+        typer.echo("no trial finished yet; `tfm tune ... --resume` continues the study")
+        return
+    typer.echo(f"best: trial {r.best_number}, val {r.metric} {r.best_value:.4f}: {r.best_dir} (a `tfm train` run: "
+               f"tfm predict -c {r.best_dir}); its settings: {r.best_file}")
+
+
 @app.command("data", context_settings={"allow_extra_args": False})
 def data_(
     overrides: Overrides = None, config: ConfigFile = None, data: Data = None,

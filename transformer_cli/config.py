@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 import tomllib
 import types
 import typing
@@ -243,6 +244,9 @@ class TrainConfig(_Section):
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
     num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
     init_from: str | None = None  # a `tfm pretrain` output directory: its encoder and tokenizer start the model
+    # For imbalanced classes, each class's weight in the training loss: "balanced" (n / (classes x the class's count)
+    # over the training part, as scikit-learn's) or one weight per class, in the labels' order; unset: all equal
+    class_weights: Literal["balanced"] | list[float] | None = None
 
     @property
     def budget_sec(self) -> float | None:
@@ -290,6 +294,12 @@ class TrainConfig(_Section):
             self._fail("batch_size", f"must be divisible by train.grad_accum_steps = {self.grad_accum_steps}")
         if not DEVICE_NAME.fullmatch(self.device):
             self._fail("device", "must be auto, cpu, cuda, cuda:N or mps")
+        if isinstance(self.class_weights, list):
+            if not all(0 <= w <= sys.float_info.max for w in self.class_weights):
+                self._fail("class_weights", "each weight must be a finite number, 0 or more")
+            if self.class_weights and not any(self.class_weights):
+                self._fail("class_weights", "must give some class a weight above 0")
+            object.__setattr__(self, "class_weights", [float(w) for w in self.class_weights])
 
 
 @dataclass(frozen=True)
@@ -510,6 +520,7 @@ CLASSIFIER_ONLY = {
     "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
     "train.test_at_end": "the test split, which pretraining never reads",
     "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
+    "train.class_weights": "the classes' weights in the classifier's loss; pretraining predicts tokens",
 }
 # Classifier-only too, but a recipe file shared by both commands may set them: refused on `tfm pretrain`'s command line.
 CLASSIFIER_ONLY_IN_RECIPES = {

@@ -101,7 +101,8 @@ def imbalance_warning(val: dict) -> str | None:
         return None
     why = f"it never predicts {', '.join(repr(n) for n in never)} on validation" if never else "its macro-F1 is low"
     return (f"{why} (macro-F1 {val['macro_f1']:.4f}, accuracy {val['accuracy']:.4f}): the classes are imbalanced; "
-            "select the model by macro-F1 with train.select_metric=macro_f1")
+            "weigh them with train.class_weights=balanced, and select the model by macro-F1 with "
+            "train.select_metric=macro_f1")
 
 
 def evaluation_report(m: dict) -> str:

@@ -1,10 +1,6 @@
-"""`tfm evaluate --report DIR`: an evaluation's pictures, as PNG files and a report.html that shows them.
-
-The pictures: the confusion matrix; the reliability diagram (accuracy against confidence in the
-calibration bins, with the ECE); the precision-recall curve of each class (one against the rest);
-accuracy by review length (token-length bins). The figures are drawn by matplotlib's Agg canvas
-(no display, no global pyplot state), imported only when a picture is drawn.
-The TensorBoard pictures of `tfm train` (tb_pictures.py) reuse these figures.
+"""`tfm evaluate --report DIR`: an evaluation's pictures, as PNG files and a report.html that shows them:
+the confusion matrix, the reliability diagram, each class's precision-recall curve, accuracy by review length.
+Figures are drawn on matplotlib's Agg canvas (no display, no pyplot state); tb_pictures.py reuses them.
 """
 
 from __future__ import annotations
@@ -25,6 +21,8 @@ PICTURES = {  # file -> caption, in the report's order
     "pr_curve.png": "Precision-recall curves",
     "accuracy_by_length.png": "Accuracy by review length",
 }
+
+
 def check_report_dir(path: str | Path) -> Path:
     """`path` usable as the report's folder (and each of its files, where one is there already: not a
     folder): checked before the evaluation runs."""
@@ -141,9 +139,7 @@ def confusion_figure(confusion: np.ndarray, names: list[str]):
                     color="white" if share[i, j] > 0.5 else "black")
     ax.set_xticks(range(k), shown, rotation=45 if tilt else 0, ha="right" if tilt else "center")
     ax.set_yticks(range(k), shown)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
-    ax.set_title("Confusion matrix")
+    ax.set(xlabel="predicted", ylabel="true", title="Confusion matrix")
     return fig
 
 
@@ -160,11 +156,8 @@ def reliability_figure(probs: np.ndarray, labels: np.ndarray):
     ax.bar(r["edges"][:-1][used], (r["confidence"] - r["accuracy"])[used], bottom=r["accuracy"][used], width=width,
            align="edge", color="tab:red", alpha=0.3, label="gap to confidence")
     ax.plot([0, 1], [0, 1], "k--", linewidth=1)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_xlabel("confidence (top probability)")
-    ax.set_ylabel("accuracy")
-    ax.set_title(f"Reliability: ECE {ece:.4f} ({BINS} bins)")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (top probability)", ylabel="accuracy",
+           title=f"Reliability: ECE {ece:.4f} ({BINS} bins)")
     ax.legend(loc="upper left")
     return fig
 
@@ -191,30 +184,19 @@ def pr_figure(probs: np.ndarray, labels: np.ndarray, names: list[str]):
     lines, texts = [], []  # given to the legend, which would leave out a name that starts with "_" (__label__pos)
     for c, name in enumerate(names):
         precision, recall, ap = pr_curve(probs[:, c], labels == c)
-        if ap is None:
-            lines += ax.plot([], [])
-            texts.append(f"{plain(short(name))} (AP n/a, no examples)")
-        else:
-            lines += ax.plot(np.r_[0.0, recall], np.r_[1.0, precision])
-            texts.append(f"{plain(short(name))} (AP {ap:.3f})")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("recall")
-    ax.set_ylabel("precision")
-    ax.set_title("Precision-recall, each class against the rest")
+        lines += ax.plot([], []) if ap is None else ax.plot(np.r_[0.0, recall], np.r_[1.0, precision])
+        texts.append(f"{plain(short(name))} ({'AP n/a, no examples' if ap is None else f'AP {ap:.3f}'})")
+    ax.set(xlim=(0, 1), ylim=(0, 1.02), xlabel="recall", ylabel="precision",
+           title="Precision-recall, each class against the rest")
     ax.legend(lines, texts, loc="lower left")
     return fig
 
 
-def length_bins(lengths: np.ndarray) -> np.ndarray:
-    """Bin edges of token lengths: powers of two from 32 up to past the longest review."""
-    top = max(int(lengths.max()) if len(lengths) else 1, 33)
-    return np.r_[0, 2 ** np.arange(5, int(np.ceil(np.log2(top))) + 1)]
-
-
 def accuracy_by_length(probs: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int, float]]:
-    """[(low, high, examples, accuracy)] for each non-empty bin of length_bins: lengths in (low, high]."""
-    edges = length_bins(lengths)
+    """[(low, high, examples, accuracy)] for each non-empty bin of lengths in (low, high]: 0 to 32, then
+    powers of two up to past the longest review."""
+    top = max(int(lengths.max()) if len(lengths) else 1, 33)
+    edges = np.r_[0, 2 ** np.arange(5, int(np.ceil(np.log2(top))) + 1)]
     right = probs.argmax(axis=1) == labels
     which = np.searchsorted(edges, lengths, side="left") - 1  # (low, high] -> the bin of low
     return [(int(edges[b]), int(edges[b + 1]), int((which == b).sum()), float(right[which == b].mean()))
@@ -229,8 +211,6 @@ def length_figure(probs: np.ndarray, labels: np.ndarray, lengths: np.ndarray):
     bars = ax.bar(xs, [r[3] for r in rows], edgecolor="black")
     ax.bar_label(bars, [f"n={r[2]}" for r in rows], fontsize=8)
     ax.set_xticks(xs, [f"{lo + 1}-{hi}" for lo, hi, _, _ in rows], rotation=30)
-    ax.set_ylim(0, 1.08)
-    ax.set_xlabel("review length (tokens, after truncation)")
-    ax.set_ylabel("accuracy")
-    ax.set_title("Accuracy by review length")
+    ax.set(ylim=(0, 1.08), xlabel="review length (tokens, after truncation)", ylabel="accuracy",
+           title="Accuracy by review length")
     return fig

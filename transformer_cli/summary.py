@@ -1,14 +1,9 @@
 """`tfm inspect`: the model layer by layer for one review, with each layer's input and output shapes
 named in the model's symbols (B, T, C, H, Dh), its parameter count and its FLOPs per token.
 
-torchinfo walks the module tree and records each module's shapes and parameters. What it cannot
-give is done here: the tensors inside attention (the per-head q, k, v and the T x T weights live
-inside SelfAttention.forward, not as module outputs; a TorchFunctionMode observes the call to the
-attention function), the FLOPs of attention's two matmuls (functional calls: torchinfo counts no
-FLOPs outside modules, and torch's FlopCounterMode none in the CPU's fused attention kernel), and
-naming each dimension by its symbol. FLOPs count matrix products only, 2 per multiply-add (the
-Linear layers, and attention's q k^T and weights x v); elementwise work (norms, GELU, softmax) and
-embedding lookups are left out, as is usual.
+torchinfo records each module's shapes and parameters. Added here: rows for the tensors inside attention
+(the per-head q, k, v and the T x T weights, which are no module's outputs), and the FLOPs. FLOPs count
+matrix products only, 2 per multiply-add: the Linear layers, and attention's q k^T and weights x v.
 """
 
 from __future__ import annotations
@@ -18,13 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from transformer_cli.config import Config
 from transformer_cli.data import CLS_ID, DEFAULT_LABELS, SPECIAL_TOKENS, encode_texts, text_normalizer
-from transformer_cli.errors import TfmError
 from transformer_cli.model import CTransformer, SelfAttention
 
 SAMPLE_TEXT = (
@@ -81,9 +73,8 @@ def model_from_config(cfg: Config) -> CTransformer:
 
 
 def sample_ids(text: str, model: CTransformer, tokenizer=None, data_cfg=None) -> torch.Tensor:
-    """(1, T) ids of `text` as the model reads it: [CLS] + its subword ids, truncated as in training.
-    Without a tokenizer (an untrained recipe has none yet) each word and punctuation mark left by the
-    normalization a trained one applies (text_normalizer: `<br />` tags removed) is one token, with
+    """(1, T) ids of `text` as the model reads it: [CLS] + its subword ids, truncated as in training. Without
+    a tokenizer (an untrained recipe), each word and punctuation mark of the normalized text is one token, with
     stand-in ids: the shapes depend only on how many there are."""
     max_length = model.encoder.max_length
     if tokenizer is not None:
@@ -102,72 +93,61 @@ def sample_ids(text: str, model: CTransformer, tokenizer=None, data_cfg=None) ->
 
 
 def summarize(model: CTransformer, ids: torch.Tensor) -> Summary:
-    """Every module's shapes, parameters and FLOPs per token for one forward pass over `ids` (B, T)."""
+    """Every module's shapes, parameters and FLOPs per token (its own and its children's) for one forward pass
+    over `ids` (B, T): a row each, children in the order the pass first called them. A module it did not call
+    (the learned position embedding, whose table is sliced) comes after its elder sibling, without shapes
+    unless its children were called (a ModuleList): then what went into the first and came out of the last."""
     import torchinfo
 
     mask = torch.ones_like(ids, dtype=torch.bool)
-    names = {id(m): name for name, m in model.named_modules()}
-    with _AttentionObserver(model) as seen, torch.no_grad():
+    with torch.no_grad():
         stats = torchinfo.summary(model, input_data=[ids, mask], depth=1000, device=ids.device, mode="eval", verbose=0)
+    names = {id(m): name for name, m in model.named_modules()}
+    calls: dict[str, object] = {}  # module name -> torchinfo's record of its first call (a ModuleList's too)
+    order: dict[str, int] = {}  # module name -> the place of that call
+    for i, layer in enumerate(stats.summary_list):
+        calls.setdefault(names[id(layer.module)], layer)
+        order.setdefault(names[id(layer.module)], i)
     B, T = ids.shape
     C, H = model.cfg.d_model, model.cfg.n_heads
     dims = {"B": B, "T": T, "C": C, "H": H, "Dh": C // H, "L": model.head.out_features}
     rows: list[Row] = []
-    for layer in stats.summary_list:
-        name = names.get(id(layer.module), layer.var_name)
-        shape_in, shape_out = _shape(layer.input_size), _shape(layer.output_size)
-        tokens_in = not isinstance(layer.module, nn.Linear)  # a (B, x) input: ids, unless it feeds a Linear
-        rows.append(Row(name, layer.class_name, layer.depth, shape_in, shape_out,
-                        _symbols(shape_in, dims, model.cfg.ff_mult, tokens_in),
-                        _symbols(shape_out, dims, model.cfg.ff_mult), layer.num_params,
-                        _linear_flops(layer.module, shape_out) / (B * T)))
-        if name.endswith(".qkv") and name.removesuffix(".qkv") in seen:
-            rows += _attention_rows(name.removesuffix(".qkv"), layer.depth, shape_out, *seen[name.removesuffix(".qkv")],
-                                    B * T)
-    rows = _with_unrun_modules(model, rows)
-    _add_children_flops(rows)
-    if stats.total_params != model.num_params():
-        raise TfmError(f"torchinfo counted {stats.total_params} parameters but the model has {model.num_params()}")
+
+    def add(name: str, module: nn.Module, depth: int) -> None:
+        call = calls.get(name)
+        shape_in, shape_out = (_shape(call.input_size), _shape(call.output_size)) if call else (None, None)
+        tokens_in = not isinstance(module, nn.Linear)  # a (B, x) input: ids, unless it feeds a Linear
+        row = Row(name, type(module).__name__, depth, shape_in, shape_out,
+                  _symbols(shape_in, dims, model.cfg.ff_mult, tokens_in), _symbols(shape_out, dims, model.cfg.ff_mult),
+                  sum(p.numel() for p in module.parameters()), _linear_flops(module, shape_out) / (B * T))
+        start = len(rows)
+        rows.append(row)
+        parent = name.rpartition(".")[0]
+        if name.endswith(".qkv") and isinstance(model.get_submodule(parent), SelfAttention) and shape_out:
+            rows.extend(_attention_rows(parent, depth, shape_out, H, B * T))
+        children, key = [], -1
+        for child, m in module.named_children():
+            child = f"{name}.{child}" if name else child
+            key = order.get(child, key)  # never called: after its elder sibling
+            children.append((key, child, m))
+        for _, child, m in sorted(children, key=lambda c: c[0]):
+            add(child, m, depth + 1)
+        below = [r for r in rows[start + 1 :] if r.depth == depth + 1]
+        row.flops_per_token += sum(r.flops_per_token for r in below)
+        ran = [r for r in below if r.input and r.output]
+        if row.input is None and row.output is None and ran:
+            row.input, row.input_symbols = ran[0].input, ran[0].input_symbols
+            row.output, row.output_symbols = ran[-1].output, ran[-1].output_symbols
+
+    add("", model, 0)
     return Summary(dims, rows, model.num_params(), rows[0].flops_per_token)
 
 
-class _AttentionObserver(TorchFunctionMode):
-    """Records {attention module's name: (q shape, k shape)} of each SelfAttention's first call to
-    the attention function: F.scaled_dot_product_attention, or the explicit path's q @ k^T."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.modules = [(name, m) for name, m in model.named_modules() if isinstance(m, SelfAttention)]
-        self.current: str | None = None
-        self.seen: dict[str, tuple[list[int], list[int]]] = {}
-        self.hooks: list = []
-
-    def __enter__(self):
-        for name, m in self.modules:
-            self.hooks.append(m.register_forward_pre_hook(lambda *_, n=name: setattr(self, "current", n)))
-            self.hooks.append(m.register_forward_hook(lambda *_: setattr(self, "current", None)))
-        super().__enter__()
-        return self.seen
-
-    def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = self.current
-        if name is not None and name not in self.seen:
-            if func is F.scaled_dot_product_attention:
-                self.seen[name] = (list(args[0].shape), list(args[1].shape))
-            elif getattr(func, "__name__", "") in ("matmul", "__matmul__") and args[0].dim() == 4:  # q @ k^T
-                self.seen[name] = (list(args[0].shape), [*args[1].shape[:-2], args[1].shape[-1], args[1].shape[-2]])
-        return func(*args, **(kwargs or {}))
-
-
-def _attention_rows(name: str, depth: int, qkv: list[int], q: list[int], k: list[int], tokens: int) -> list[Row]:
-    """The tensors inside one attention layer, between its qkv and proj Linears."""
-    weights = [*q[:-1], k[-2]]  # (B, H, T, T)
-    matmul = 2 * int(np.prod(q[:-1])) * k[-2] * q[-1] / tokens  # B H T T Dh multiply-adds, each of the two
+def _attention_rows(name: str, depth: int, qkv: list[int], H: int, tokens: int) -> list[Row]:
+    """The tensors inside one attention layer, between its qkv (B, T, 3C) and proj Linears."""
+    B, T, C = qkv[0], qkv[1], qkv[2] // 3
+    q, weights = [B, H, T, C // H], [B, H, T, T]
+    matmul = 2 * B * H * T * T * (C // H) / tokens  # B H T T Dh multiply-adds, each of the two
     return [
         Row(f"{name}.heads", "q, k, v split into heads", depth, qkv, q, "(B, T, 3C)", "(B, H, T, Dh)", None, 0.0),
         Row(f"{name}.weights", "softmax(q k^T / sqrt(Dh))", depth, q, weights, "(B, H, T, Dh)", "(B, H, T, T)", None,
@@ -176,58 +156,10 @@ def _attention_rows(name: str, depth: int, qkv: list[int], q: list[int], k: list
     ]
 
 
-def _with_unrun_modules(model: nn.Module, rows: list[Row]) -> list[Row]:
-    """`rows` with a row for each module that the forward pass read without calling it (torchinfo
-    records calls only: the learned position embedding, whose table is sliced), after its elder
-    siblings, so that the rows' parameters add up to their parent's; and a module that was not called
-    but whose children were shows
-    what went in (its first child's input) and came out (its last child's output)."""
-    rows = list(rows)
-    shown = {r.name for r in rows}
-
-    def subtree_end(i: int) -> int:  # the index after row i and the rows below it
-        j = i + 1
-        while j < len(rows) and rows[j].depth > rows[i].depth:
-            j += 1
-        return j
-
-    previous: dict[str, str] = {}  # the module registered before each one under the same parent
-    for name, module in model.named_modules():
-        parent = name.rpartition(".")[0]
-        if name and name not in shown:
-            up = next(i for i, r in enumerate(rows) if r.name == parent)
-            elder = next((i for i, r in enumerate(rows) if r.name == previous.get(parent)), None)
-            rows.insert(up + 1 if elder is None else subtree_end(elder),
-                        Row(name, type(module).__name__, rows[up].depth + 1, None, None, None, None,
-                            sum(p.numel() for p in module.parameters()), 0.0))
-            shown.add(name)
-        if name:
-            previous[parent] = name
-    for i in reversed(range(len(rows))):
-        row, below = rows[i], rows[i + 1 : subtree_end(i)]
-        ran = [r for r in below if r.depth == row.depth + 1 and r.input is not None and r.output is not None]
-        if row.input is None and row.output is None and ran:
-            row.input, row.input_symbols = ran[0].input, ran[0].input_symbols
-            row.output, row.output_symbols = ran[-1].output, ran[-1].output_symbols
-    return rows
-
-
 def _linear_flops(module: nn.Module, out: list[int] | None) -> float:
     if not isinstance(module, nn.Linear) or not out:
         return 0.0
     return 2.0 * module.in_features * int(np.prod(out))  # rows x in x out multiply-adds
-
-
-def _add_children_flops(rows: list[Row]) -> None:
-    """Each row's FLOPs: its own plus those of the rows below it (the rows are in tree order)."""
-    stack: list[Row] = []
-    for row in [*rows, None]:
-        while stack and (row is None or row.depth <= stack[-1].depth):
-            done = stack.pop()
-            if stack:
-                stack[-1].flops_per_token += done.flops_per_token
-        if row is not None:
-            stack.append(row)
 
 
 def _shape(size) -> list[int] | None:
@@ -241,16 +173,9 @@ def _symbols(shape: list[int] | None, dims: dict[str, int], ff_mult: int, tokens
     """E.g. [1, 57, 128] -> "(B, T, C)"; a size that is no symbol stays a number."""
     if shape is None:
         return None
-    C = dims["C"]
+    B, T, C = {"B": dims["B"]}, {"T": dims["T"]}, dims["C"]
     features = {"C": C, "3C": 3 * C, f"{ff_mult}C": ff_mult * C, "L": dims["L"]}
-    if len(shape) == 1:
-        wanted = [{"B": dims["B"]}]
-    elif len(shape) == 2:
-        wanted = [{"B": dims["B"]}, {"T": dims["T"]} if tokens else features]
-    elif len(shape) == 3:
-        wanted = [{"B": dims["B"]}, {"T": dims["T"]}, features]
-    else:
-        wanted = [{}] * len(shape)
+    wanted = {1: [B], 2: [B, T if tokens else features], 3: [B, T, features]}.get(len(shape), [{}] * len(shape))
     out = [next((sym for sym, v in cands.items() if v == n), str(n)) for n, cands in zip(shape, wanted)]
     return "(" + ", ".join(out) + ")"
 

@@ -1,10 +1,7 @@
-"""TensorBoard pictures of a classifier's training, beside the scalars.
-
-At each validation pass, from the validation logits that pass computed (no second forward pass):
-a precision-recall curve per class (`val_pr/LABEL`), the confusion matrix as an image
-(`val/confusion_matrix`) and a text panel of the most confidently wrong reviews
-(`val/confidently_wrong`). At the end of training: one validation review's attention maps, a
-panel per layer, heads averaged (`val/attention`).
+"""TensorBoard pictures of a classifier's training, beside the scalars. At each validation pass, from its
+logits: a precision-recall curve per class (`val_pr/LABEL`), the confusion matrix (`val/confusion_matrix`)
+and the most confidently wrong reviews (`val/confidently_wrong`). At the end of training: one validation
+review's attention maps, a panel per layer, heads averaged (`val/attention`).
 """
 
 from __future__ import annotations
@@ -23,12 +20,10 @@ TEXT_CHARS = 300  # of each review shown there
 ATTENTION_TOKENS = 40  # the review whose attention is drawn is cut to this many tokens, to stay legible
 
 
-
 def log_validation(writer, step: int, metrics: dict, logits: torch.Tensor, enc: Encoded, names: list[str],
                    tokenizer, texts: list[str], data_cfg) -> None:
-    """PR curves, confusion matrix image and confidently-wrong panel of one validation pass (its
-    metrics, its (N, K) logits of `enc`, the reviews `texts` encoded by data_cfg's truncation); nothing
-    without a writer (ranks other than the main one)."""
+    """PR curves, confusion matrix and confidently-wrong panel of one validation pass (its metrics, (N, K)
+    logits of `enc`, and the reviews `texts`); nothing without a writer (ranks other than the main one)."""
     if writer is None or not torch.isfinite(logits).all():  # a diverged pass: nothing to draw
         return
     probs = softmax(logits)
@@ -72,12 +67,11 @@ def _cell(text: str) -> str:
 # --------------------------------------------------------------------------- attention
 
 
-def attention_maps(model, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, the (B, H, T, T) attention probabilities of the model's forward pass on (ids, mask).
+def attention_maps(model, ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(per layer, the (B, H, T, T) attention probabilities; the (B, K) logits) of a forward pass in eval mode.
 
-    A hook before each block's attention takes its input and recomputes q and k with the block's own
-    projection; explicit_attention with the identity as values returns its attention matrix itself
-    (att @ I = att), so that masking and scaling are the model's own.
+    A hook before each block's attention recomputes q and k from its input; explicit_attention with the
+    identity as values returns the attention matrix itself (att @ I = att), masked and scaled as the model does.
     """
     maps: list[torch.Tensor] = []
 
@@ -93,18 +87,18 @@ def attention_maps(model, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.T
     model.eval()
     try:
         with torch.no_grad():
-            model(ids, mask)
+            logits = model(ids, mask)
     finally:
         model.train(was_training)
         for h in hooks:
             h.remove()
-    return maps
+    return maps, logits
 
 
 def pick_review(enc: Encoded, tokens: int = ATTENTION_TOKENS) -> int:
     """The first validation review of at most `tokens` tokens, else the shortest."""
-    short = np.nonzero(enc.lengths <= tokens)[0]
-    return int(short[0]) if len(short) else int(np.argmin(enc.lengths))
+    fits = np.nonzero(enc.lengths <= tokens)[0]
+    return int(fits[0]) if len(fits) else int(np.argmin(enc.lengths))
 
 
 def log_attention(writer, step: int, model, enc: Encoded, names: list[str], tokenizer,
@@ -120,9 +114,9 @@ def log_attention(writer, step: int, model, enc: Encoded, names: list[str], toke
     device = next(model.parameters()).device
     ids = torch.from_numpy(ids_np)[None].to(device)  # (1, T)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    maps = [m[0].mean(0).float().cpu().numpy() for m in attention_maps(model, ids, mask)]  # L x (T, T)
-    with torch.no_grad():
-        p = (model.eval()(ids, mask).float() / temperature).softmax(-1)[0].cpu()
+    maps, logits = attention_maps(model, ids, mask)
+    maps = [m[0].mean(0).float().cpu().numpy() for m in maps]  # L x (T, T)
+    p = (logits.float() / temperature).softmax(-1)[0].cpu()
     tokens = [tokenizer.id_to_token(int(t)) or "?" for t in ids_np]
     title = f"true {short(names[enc.labels[i]])}, predicted {short(names[int(p.argmax())])} ({float(p.max()):.3f})"
     if len(ids_np) < enc.lengths[i]:  # the prediction is of the tokens drawn, not of the whole review

@@ -1,6 +1,6 @@
 """Where labelled and unlabelled texts come from: Hub ids, Hub-layout folders, data files (CSV, TSV, JSON
 Lines, Parquet, text), aclImdb folders or tarballs; and their labels, as ids into a model's class names.
-Heavy libraries (`datasets`) are imported only where a dataset is actually loaded."""
+`datasets` is imported only where a dataset is loaded."""
 
 from __future__ import annotations
 
@@ -45,37 +45,39 @@ class RawSplit:
         return h.hexdigest()
 
 
-
-
 def load_splits(cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
                 label_names: list[str] | None = None) -> tuple[dict[str, RawSplit], list[str]]:
-    """The requested splits of `cfg.source`, and those of the `optional` ones it has; the class names.
+    """The requested splits of `cfg.source`, and those of the `optional` ones it has; the class names. Labels
+    become ids into `label_names` (a trained model's classes) when given, else into the first split's classes."""
+    odd = [s for s in splits if s not in ACL_SPLITS]
+    if odd and acl_root(cfg.source) is not None:
+        raise UsageError(f"the aclImdb data has only the splits {', '.join(ACL_SPLITS)}, not '{odd[0]}'")
+    ds = open_text_source(cfg.source, (*splits, *optional))
+    return _from_dataset_dict(ds, cfg, splits, cfg.source, optional, label_names)
 
-    Labels become ids into `label_names` (a trained model's classes) when given, else into the classes
-    of the first split loaded (see label_names_of); a label outside them is refused.
-    """
-    source = cfg.source
-    path = Path(source)
-    files = named_files(source)
-    if files is not None:
-        return _from_hf_files(files, cfg, splits, optional, label_names)
+
+def open_text_source(source: str, splits: Iterable[str] | None = None):
+    """The `datasets.DatasetDict` of a data source. `splits`: the splits the caller reads (default: all);
+    aclImdb's reviews of other splits are not read at all."""
     acl = acl_root(source)
     if acl is not None:
-        what = "folder" if acl.is_dir() else "archive"
-        return _with_names(_from_acl(acl, _acl_splits(splits, optional, what)), label_names, source)
-    if path.is_file():
-        raise UsageError(f"don't know how to read '{source}'; pass a .csv/.jsonl/.parquet file, a folder or aclImdb_v1.tar.gz")
-    if path.is_dir():
-        return _from_hf(source, cfg, splits, optional, label_names)
-    if looks_like_path(source):
+        return acl_dataset(acl, splits)
+    files = named_files(source)
+    if files is not None:
+        return open_dataset_files(files)
+    if Path(source).is_file():
+        raise UsageError(f"don't know how to read '{source}'; pass a Hub id, a Hub-layout folder, the aclImdb "
+                         "folder or archive, or .csv/.tsv/.jsonl/.parquet/.txt file(s)")
+    if not Path(source).is_dir() and looks_like_path(source):
         raise UsageError(f"data path '{source}' does not exist; pass an existing folder or file, or a Hub dataset id")
-    return _from_hf(source, cfg, splits, optional, label_names)
+    return open_dataset(source)
 
 
 def local_paths(source: str) -> list[str]:
     """The files or folder a data source names on this machine (none for a Hub id)."""
-    if "=" in source and not Path(source).exists():  # train=a.csv,test=b.csv
-        return [part.split("=", 1)[1] for part in source.split(",") if "=" in part]
+    files = named_files(source)
+    if files is not None:
+        return list(files.values())
     return [source] if Path(source).exists() or looks_like_path(source) else []
 
 
@@ -85,36 +87,30 @@ def looks_like_path(source: str) -> bool:
     return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.lower().endswith(suffixes)
 
 
-def _from_hf(source: str, cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
-             label_names: list[str] | None = None):
-    return _from_dataset_dict(open_dataset(source), cfg, splits, source, optional, label_names)
+def quiet_datasets():
+    """`datasets`, silenced: its errors reach us as exceptions, and it shows no progress bars."""
+    import datasets
 
-
-def _from_hf_files(files: dict[str, str], cfg: DataConfig, splits: tuple[str, ...], optional: tuple[str, ...] = (),
-                   label_names: list[str] | None = None):
-    return _from_dataset_dict(open_dataset_files(files), cfg, splits, ", ".join(files.values()), optional, label_names)
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    return datasets
 
 
 def open_dataset(source: str):
     """The `datasets.DatasetDict` of a Hub id or a Hub-layout folder: Arrow tables, memory-mapped."""
-    import datasets
-
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors reach us as exceptions
-    datasets.disable_progress_bars()
+    datasets = quiet_datasets()
     if Path(source).is_dir():
         files = folder_files(source)
         if files is not None and {Path(f).suffix.lower() for fs in files.values() for f in fs} in ({".csv"}, {".tsv"}):
             return open_dataset_files(files)  # read as the same file named alone is read
     try:
-        # Never a loading script: datasets 2.x would run one with trust_remote_code (4.0 dropped them).
         return datasets.load_dataset(source, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 (datasets raises many types for missing/offline/unreadable sources)
-        if not Path(source).is_dir():
-            raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); pass a local copy with --data PATH") \
-                from None
-        refuse_empty_files(source_files(source))  # datasets says only that a split "corresponds to no data"
-        raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); check its data files (one per "
-                       "split, e.g. train.csv and test.csv)") from None
+    except Exception as e:  # noqa: BLE001 (many types, for missing, offline or unreadable sources)
+        hint = "pass a local copy with --data PATH"
+        if Path(source).is_dir():
+            refuse_empty_files(source_files(source))  # datasets says only that a split "corresponds to no data"
+            hint = "check its data files (one per split, e.g. train.csv and test.csv)"
+        raise TfmError(f"could not load dataset '{source}' ({cause_line(e)}); {hint}") from None
 
 
 SHARD = re.compile(r".*-\d{5}-of-\d{5}$")  # train-00000-of-00003.parquet: one split's files, as the Hub writes them
@@ -124,11 +120,8 @@ def folder_files(source: str) -> dict[str, list[str]] | None:
     """{split: files} of a Hub-layout folder as `datasets` finds them (None if it cannot tell). Without a
     README.md whose configs: section lists them, a split of several files that are not one shard series
     (train.jsonl beside train_backup.jsonl or old/train.jsonl, which `datasets` would join) is refused."""
-    import datasets
-
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        found = datasets.load_dataset_builder(source).config.data_files or {}  # a folder: no loading script
+        found = quiet_datasets().load_dataset_builder(source).config.data_files or {}  # a folder: no loading script
     except Exception:  # noqa: BLE001 (open_dataset says what is wrong with the folder)
         return None
     files = {str(split): [str(f) for f in split_files] for split, split_files in found.items()}
@@ -144,18 +137,17 @@ def folder_files(source: str) -> dict[str, list[str]] | None:
 
 
 def unread_split_hint(source: str, missing: Iterable[str], others: Iterable[str] = ()) -> str:
-    """Why a data file in the folder `source` named for one of the `missing` splits (unsupervised.csv,
-    unsupervised-00000-of-00001.parquet) is not that split, and what to do, as "; ..." to end a "has no
-    split" error; "" where there is no such file. `others`: the splits the command reads beside them, for
-    the example of named files."""
+    """"; ..." to end a "has no split" error: why a file in the folder `source` named for one of the `missing`
+    splits (unsupervised.csv) is not that split, and what to do; "" where there is none. `others`: the splits
+    read beside them, for the example of named files."""
     folder = Path(source)
     if not folder.is_dir():
         return ""
 
     def named_for(split: str) -> list[Path]:
         pattern = re.compile(rf"{re.escape(split)}([-_.]|$)", re.IGNORECASE)
-        return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FILE_BUILDERS
-                      and pattern.match(p.stem) and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+        return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in FILE_BUILDERS and
+                      pattern.match(p.stem) and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 
     found = {split: files for split in missing if (files := named_for(split))}
     if not found:
@@ -172,33 +164,26 @@ def unread_split_hint(source: str, missing: Iterable[str], others: Iterable[str]
 def open_dataset_files(files: dict[str, str] | dict[str, list[str]]):
     """The `datasets.DatasetDict` of data files, a file (or a list of a split's shards) per split name, all
     of one type (FILE_BUILDERS)."""
-    import datasets
-
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    datasets.disable_progress_bars()
     every = [f for fs in files.values() for f in ([fs] if isinstance(fs, str) else fs)]
-    suffixes = {Path(f).suffix.lower() for f in every}
     for f in every:
         if not Path(f).is_file():
             raise UsageError(f"data file '{f}' does not exist")
-    if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
+    suffixes = {Path(f).suffix.lower() for f in every}
+    suffix = suffixes.pop() if len(suffixes) == 1 else None
+    if suffix not in FILE_BUILDERS:
         raise UsageError(f"data files must share one of the types {', '.join(FILE_BUILDERS)}; got {', '.join(every)}")
-    suffix = next(iter(suffixes))
     if suffix in (".json", ".jsonl"):  # pyarrow's JSON reader keeps bad bytes, which fail later, unnamed
         for f in every:
             check_utf8(Path(f))
-    kwargs = {}
-    if suffix in (".csv", ".tsv"):  # cells such as "NA" or "None" stay text, not missing values
-        kwargs["keep_default_na"] = False
+    kwargs = {"keep_default_na": False} if suffix in (".csv", ".tsv") else {}  # cells such as "NA" stay text
     if suffix == ".tsv":  # no quoting, as TSV readers of text data (GLUE's) take it: a review may open with '"'
         kwargs.update(delimiter="\t", quoting=csv.QUOTE_NONE)
     try:
-        return datasets.load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
+        return quiet_datasets().load_dataset(FILE_BUILDERS[suffix], data_files=files, **kwargs)
     except Exception as e:  # noqa: BLE001 (each file builder raises its own types for unreadable files)
         refuse_empty_files(every)  # datasets says "corresponds to no data", or "StopIteration"
-        cause, hint = cause_line(e), ""
-        if "codec can't decode" in cause:
-            hint = "; save the file as UTF-8"
+        cause = cause_line(e)
+        hint = "; save the file as UTF-8" if "codec can't decode" in cause else ""
         raise TfmError(f"could not read {', '.join(every)}: {cause}{hint}") from None
 
 
@@ -220,8 +205,7 @@ def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
 
 
 def refuse_empty_files(files: Iterable[str | Path]) -> None:
-    """A TfmError naming the first of `files` that holds no rows: blank, a CSV/TSV header alone, or a
-    Parquet file of none."""
+    """A TfmError naming the first of `files` that holds no rows (blank, a CSV/TSV header alone, Parquet's none)."""
     for f in map(Path, files):
         if not f.is_file():
             continue
@@ -241,22 +225,6 @@ def refuse_empty_files(files: Iterable[str | Path]) -> None:
                 raise TfmError(f"data file '{f}' is empty: fill it or remove it") from None
             if len(lines) == 1 and suffix in (".csv", ".tsv"):
                 raise TfmError(f"data file '{f}' has a header line but no rows: fill it or remove it") from None
-
-
-def open_text_source(source: str, splits: Iterable[str] | None = None):
-    """The `datasets.DatasetDict` of a source read as text (`tfm pretrain`, `tfm pseudo-label`): data
-    files, a Hub-layout folder or a Hub id; another kind of file is refused. `splits`: the splits the
-    caller reads (default: all); aclImdb's reviews of other splits are not read at all."""
-    files = named_files(source)
-    if files is not None:
-        return open_dataset_files(files)
-    acl = acl_root(source)
-    if acl is not None:
-        return acl_text_source(acl, splits)
-    if Path(source).is_dir() or not Path(source).exists():
-        return open_dataset(source)
-    raise UsageError(f"don't know how to read '{source}' as text; pass a Hub id, a Hub-layout folder, the aclImdb "
-                     "folder or archive, or .txt/.csv/.jsonl/.parquet file(s)")
 
 
 def source_files(source: str) -> list[Path]:
@@ -283,19 +251,13 @@ def text_chunks(tables: list, column: str, size: int, limit: int | None = None,
     left = limit
     for table in tables:
         for chunk in table.iter(batch_size=size):
-            texts = chunk[column]
-            if skip_blank:
-                texts = [t for t in texts if not isinstance(t, str) or t.strip()]
-            texts = texts[:left]
+            texts = [t for t in chunk[column] if not (skip_blank and isinstance(t, str) and not t.strip())][:left]
             if any(not isinstance(t, str) for t in texts):
                 raise TfmError(f"column '{column}' holds empty or non-text values")
-            if not texts:
-                continue
-            yield texts
-            if left is not None:
-                left -= len(texts)
-                if left <= 0:
-                    return
+            if texts:
+                yield texts
+            if left is not None and (left := left - len(texts)) <= 0:
+                return
 
 
 def named_files(source: str) -> dict[str, str] | None:
@@ -336,11 +298,9 @@ def _one_split(d, cfg: DataConfig, split: str, name: str,
                label_names: list[str] | None) -> tuple[RawSplit, list[str]]:
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in d.column_names]
     if missing:
-        raise TfmError(
-            f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
-            f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column (tfm evaluate: "
-            "--text-column / --label-column)"
-        )
+        raise TfmError(f"split '{split}' of '{name}' has no column {' or '.join(repr(m) for m in missing)} "
+                       f"(columns: {', '.join(d.column_names)}); set data.text_column / data.label_column "
+                       "(tfm evaluate: --text-column / --label-column)")
     feature = d.features[cfg.label_column]
     class_names = list(feature.names) if hasattr(feature, "names") else None  # a datasets ClassLabel
     columns = d.select_columns([cfg.text_column, cfg.label_column]).to_dict()  # one Arrow -> Python pass
@@ -371,7 +331,8 @@ def label_ids(values: list, class_names: list[str] | None, label_names: list[str
         label_names = list(class_names) if label_names is None else label_names
     else:
         label_names = label_names_of(distinct.tolist()) if label_names is None else label_names
-        names = [value_name(v, label_names) for v in distinct.tolist()]
+        imdb = label_names == DEFAULT_LABELS  # integers 0 and 1 are then neg and pos
+        names = [DEFAULT_LABELS[v] if imdb and v in (0, 1) else str(v) for v in distinct.tolist()]
     index = {n: i for i, n in enumerate(label_names)}
     unknown = [n for n in names if n not in index]
     if unknown:
@@ -381,21 +342,10 @@ def label_ids(values: list, class_names: list[str] | None, label_names: list[str
 
 
 def label_names_of(values: list) -> list[str]:
-    """The class names of a dataset's distinct label values, sorted, in id order: integers sorted
-    numerically and named by their digits, except that 0 and 1 alone are IMDB's `neg` and `pos`;
-    names sorted as text."""
+    """The class names of distinct label values, in id order (sorted: integers numerically, text as text);
+    integers are named by their digits, except that 0 and 1 alone are IMDB's `neg` and `pos`."""
     values = sorted(values)
-    if values == [0, 1]:
-        return list(DEFAULT_LABELS)
-    return [str(v) for v in values]
-
-
-def value_name(value: int | str, label_names: list[str]) -> str:
-    """The class name of one label value: integers 0 and 1 are `neg` and `pos` where those are the
-    classes (see label_names_of), other integers their digits; text is the name itself."""
-    if isinstance(value, int) and label_names == DEFAULT_LABELS and value in (0, 1):
-        return DEFAULT_LABELS[value]
-    return str(value)
+    return list(DEFAULT_LABELS) if values == [0, 1] else [str(v) for v in values]
 
 
 def _distinct_labels(values: list, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -419,17 +369,6 @@ def _distinct_labels(values: list, where: str) -> tuple[np.ndarray, np.ndarray]:
     return distinct, inverse.reshape(-1)
 
 
-def _with_names(loaded: tuple[dict[str, RawSplit], list[str]], label_names: list[str] | None, source: str):
-    """aclImdb's splits (ids of neg and pos) as ids into `label_names`, when given."""
-    raw, names = loaded
-    if label_names is None or label_names == names:
-        return raw, names
-    for split, r in raw.items():
-        ids, _ = label_ids(r.labels.tolist(), names, label_names, f"split '{split}' of '{source}'")
-        raw[split] = RawSplit(r.texts, ids)
-    return raw, label_names
-
-
 def check_classes(labels: np.ndarray, label_names: list[str], where: str, hint: str) -> None:
     """Every class has an example in `labels` (ids), else one error line naming the first that has none."""
     counts = np.bincount(labels, minlength=len(label_names))
@@ -440,9 +379,9 @@ def check_classes(labels: np.ndarray, label_names: list[str], where: str, hint: 
 
 _ACL_NAME = re.compile(r"(?:^|/)aclImdb/(train|test)/(pos|neg|unsup)/\d+_\d+\.txt$")
 _ACL_REVIEW = re.compile(r"\d+_\d+\.txt")  # ID_RATING.txt: not ._ID_RATING.txt (macOS) or notes.txt
-# The Hub's splits of IMDB in aclImdb's folders
-ACL_TEXT_SPLITS = {"train": (("train", "neg"), ("train", "pos")), "test": (("test", "neg"), ("test", "pos")),
-                   UNLABELLED_SPLIT: (("train", "unsup"),)}
+ACL_SPLITS = {"train": (("train", "neg"), ("train", "pos")), "test": (("test", "neg"), ("test", "pos")),
+              UNLABELLED_SPLIT: (("train", "unsup"),)}  # the Hub's splits of IMDB in aclImdb's folders
+ACL_LABELS = {"neg": 0, "pos": 1, "unsup": -1}  # as the Hub's: ClassLabel neg, pos; -1 for no label
 
 
 def acl_root(source: str) -> Path | None:
@@ -454,55 +393,40 @@ def acl_root(source: str) -> Path | None:
     return acl if (acl / "train" / "pos").is_dir() else None
 
 
-def _acl_splits(splits: tuple[str, ...], optional: tuple[str, ...], what: str) -> tuple[str, ...]:
-    """The splits to read from aclImdb (train and test are all it has): the requested ones, and those
-    of the optional ones it has."""
-    for split in splits:
-        if split not in ("train", "test"):
-            raise UsageError(f"the aclImdb {what} has only 'train' and 'test' splits, not '{split}'")
-    return (*splits, *(s for s in optional if s in ("train", "test") and s not in splits))
-
-
 def _acl_reviews(root: Path, folders: list[tuple[str, str]]) -> dict[tuple[str, str], list[str]]:
     """The reviews of aclImdb's `folders` ((split, "pos" | "neg" | "unsup") pairs), each folder's in the
     order of its file names, from the folder `root` or the archive `root`."""
     found: dict[tuple[str, str], list[tuple[str, str]]] = {f: [] for f in folders}
     if root.is_dir():
         for split, sub in folders:
-            for f in sorted(f for f in (root / split / sub).glob("*.txt") if _ACL_REVIEW.fullmatch(f.name)):
-                found[split, sub].append((f.name, f.read_text(encoding="utf-8", errors="replace")))
-        return {k: [text for _, text in rows] for k, rows in found.items()}
-    try:
-        with tarfile.open(root, "r:*") as tar:
-            for member in tar:
-                m = _ACL_NAME.search(member.name)
-                if m and member.isfile() and (m.group(1), m.group(2)) in found:
-                    text = tar.extractfile(member).read().decode("utf-8", errors="replace")
-                    found[m.group(1), m.group(2)].append((member.name, text))
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise TfmError(f"could not read '{root}' as a tar archive: {first_line(e).rstrip(':')}") from None
+            for f in (root / split / sub).glob("*.txt"):
+                if _ACL_REVIEW.fullmatch(f.name):
+                    found[split, sub].append((f.name, f.read_text(encoding="utf-8", errors="replace")))
+    else:
+        try:
+            with tarfile.open(root, "r:*") as tar:
+                for member in tar:
+                    m = _ACL_NAME.search(member.name)
+                    if m and member.isfile() and (m.group(1), m.group(2)) in found:
+                        text = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                        found[m.group(1), m.group(2)].append((member.name, text))
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise TfmError(f"could not read '{root}' as a tar archive: {first_line(e).rstrip(':')}") from None
     return {k: [text for _, text in sorted(rows)] for k, rows in found.items()}
 
 
-def _from_acl(root: Path, splits: tuple[str, ...]):
-    reviews = _acl_reviews(root, [(split, sub) for split in splits for sub in ("neg", "pos")])
-    out = {}
-    for split in splits:
-        neg, pos = reviews[split, "neg"], reviews[split, "pos"]
-        if not neg and not pos:
-            raise TfmError(f"'{root}' holds no aclImdb/{split}/pos|neg/*.txt reviews")
-        out[split] = RawSplit(neg + pos, np.array([0] * len(neg) + [1] * len(pos), dtype=np.int64))
-    return out, DEFAULT_LABELS
-
-
-def acl_text_source(root: Path, splits: Iterable[str] | None = None):
-    """aclImdb as a text source (`tfm pretrain`, `tfm pseudo-label`): a `datasets.DatasetDict` of its splits
-    as the Hub names them, train and test (pos and neg, labels left out) and unsupervised (train/unsup),
-    each with a column "text". Only `splits` (default: all) are read, so that pretraining never reads the
-    test reviews; a split it holds no reviews of is left out."""
-    import datasets
-
-    wanted = {split: folders for split, folders in ACL_TEXT_SPLITS.items() if splits is None or split in splits}
+def acl_dataset(root: Path, splits: Iterable[str] | None = None):
+    """aclImdb as the Hub has it: a `datasets.DatasetDict` of train and test (neg, then pos) and unsupervised
+    (train/unsup), with columns "text" and "label" (ACL_LABELS). Only `splits` (default: all) are read, so that
+    pretraining never reads the test reviews; a split it holds no reviews of is left out."""
+    datasets = quiet_datasets()
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=DEFAULT_LABELS)})
+    wanted = {split: folders for split, folders in ACL_SPLITS.items() if splits is None or split in splits}
     reviews = _acl_reviews(root, [folder for folders in wanted.values() for folder in folders])
-    texts = {split: [t for folder in folders for t in reviews[folder]] for split, folders in wanted.items()}
-    return datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": t}) for split, t in texts.items() if t})
+    out = {}
+    for split, folders in wanted.items():
+        texts = [text for folder in folders for text in reviews[folder]]
+        labels = [ACL_LABELS[folder[1]] for folder in folders for _ in reviews[folder]]
+        if texts:
+            out[split] = datasets.Dataset.from_dict({"text": texts, "label": labels}, features=features)
+    return datasets.DatasetDict(out)

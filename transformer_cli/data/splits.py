@@ -25,7 +25,6 @@ from transformer_cli.data.text import text_keys
 from transformer_cli.errors import TfmError, UsageError
 
 VALIDATION_SPLIT = "validation"  # in `tfm evaluate`: what the run validated on (see train_val_splits)
-DEFAULT_VAL_SPLIT = DataConfig.val_split  # validated on when the dataset has it, else part of train is held out
 
 
 def stratified_split(labels: np.ndarray, val_size: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,13 +52,12 @@ def sample_indices(idx: np.ndarray, n: int | None, seed: int) -> np.ndarray:
 
 def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
                      label_names: list[str] | None = None) -> tuple[RawSplit, RawSplit, list[str], str]:
-    """(train, validation, class names, the validation's split name): the dataset's `data.val_split` if
-    it has one, else a stratified, seeded part held out of train (name ""). The `needed` splits (e.g.
-    test, for later) must exist too. The classes are `label_names` if given (a trained model's), else
-    those of train; each must have examples in both train and validation."""
+    """(train, validation, class names, the validation's split name): the dataset's `data.val_split` if it has
+    one, else a stratified, seeded part held out of train (name ""). The `needed` splits (test) must exist too.
+    The classes, `label_names` (a trained model's) or else train's, must each have examples in both parts."""
     optional = (cfg.val_split,) if cfg.val_split else ()
     raw, label_names = load_splits(cfg, ("train", *needed), optional, label_names)
-    if cfg.val_split and cfg.val_split not in raw and cfg.val_split != DEFAULT_VAL_SPLIT:
+    if cfg.val_split not in (*raw, "", DataConfig.val_split):  # the default may be missing, not another
         hint = unread_split_hint(cfg.source, [cfg.val_split], ["train", *needed])
         raise UsageError(f"data.val_split = '{cfg.val_split}': '{cfg.source}' has no such split; name one it has, "
                          'or set data.val_split = "" to hold out part of train' + hint)
@@ -81,19 +79,11 @@ def train_val_splits(cfg: DataConfig, seed: int, needed: tuple[str, ...] = (),
                          f"{cfg.val_split}=FILE, or set data.val_split = \"{unread[0]}\"")
     if val_split:
         val = raw[val_split]
-        if len(val) == 0:
-            raise TfmError(f"the {cfg.val_split} split of '{cfg.source}' is empty; fill it, or set data.val_split = "
-                           '"" to hold out part of train')
         train_idx, val_idx = np.arange(len(full)), np.arange(len(val))
         val_hint = f"add some to the '{val_split}' split, or set data.val_split = \"\" to hold out part of train"
-    else:
+    else:  # every class of at least 2 examples has one in each part (checked below)
         val = full
-        check_classes(full.labels, label_names, f"the train split of '{cfg.source}'",
-                      "every class needs training examples")
         train_idx, val_idx = stratified_split(full.labels, cfg.val_size, seed)
-        if len(val_idx) == 0 or len(train_idx) == 0:
-            raise TfmError(f"data.val_size = {cfg.val_size} leaves an empty train or validation split of {len(full)} "
-                           "examples; change it")
         val_hint = "holding some out of train for validation needs at least 2 examples of each class; add examples"
     train_idx = sample_indices(train_idx, cfg.max_train_samples, seed)
     val_idx = sample_indices(val_idx, cfg.max_eval_samples, seed)

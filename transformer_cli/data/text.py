@@ -4,12 +4,13 @@ texts and every setting that changes the result, so a second run skips tokenizat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
 import json
-import string
 import unicodedata
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,8 +24,8 @@ from transformer_cli.tokens import CLS_ID, SPECIAL_TOKENS
 CONTINUATION = "##"  # WordPiece's mark of a subword that continues a word
 BR_TAG = r"<br\s*/?>"  # the tokenizer's normalizer turns these tags into spaces
 MIN_FREQUENCY = 2  # a subword enters the vocabulary only if it occurs at least this often in training
-TOKENIZER_VERSION = 3  # in the tokenizer cache's key; 3: WordPiece trained the same in every process
-ENCODING_VERSION = 2  # in the encoding cache's key; 2: special tokens' text in a review is encoded as text
+TOKENIZER_VERSION = 3  # in the tokenizer cache's key: raise it when training gives other tokenizers
+ENCODING_VERSION = 2  # in the encoding cache's key: raise it when encoding gives other ids
 
 
 @dataclass
@@ -47,11 +48,9 @@ class Encoded:
         return int(self.lengths.max()) if len(self) else 0
 
     def subset(self, idx: np.ndarray) -> Encoded:
-        lengths = self.lengths[idx]
-        offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        ids = np.concatenate([self.ids[self.offsets[i] : self.offsets[i + 1]] for i in idx]) if len(idx) else self.ids[:0]
-        return Encoded(ids, offsets, self.labels[idx])
+        rows = [self.ids[self.offsets[i] : self.offsets[i + 1]] for i in idx]
+        offsets = np.cumsum(np.r_[0, self.lengths[idx]], dtype=np.int64)
+        return Encoded(np.concatenate(rows) if rows else self.ids[:0], offsets, self.labels[idx])
 
 
 def cache_key(*parts) -> str:
@@ -61,30 +60,29 @@ def cache_key(*parts) -> str:
 
 def train_tokenizer(texts: Iterable[str], cfg: DataConfig, length: int | None = None):
     """A lowercasing WordPiece tokenizer trained on `texts` (a list or another re-iterable: it is read twice);
-    `length`: how many there are (default: len(texts)), for the trainer's progress.
+    `length`: how many there are (default: len(texts)).
 
-    The same texts and settings give the same tokenizer in every process. `tokenizers`' WordPiece
-    trainer alone does not: it numbers the "##" continuation of each character in hash-map order,
-    after the alphabet, and those numbers break ties between equally frequent merges
-    (huggingface/tokenizers#1794). Naming the alphabet in the trainer's own order (by code point)
-    and then every continuation, sorted, among the trainer's special tokens gives the numbers the
-    trainer would give had its hash map come out sorted; the tokenizer returned keeps only
-    SPECIAL_TOKENS as special.
+    The same texts give the same tokenizer in every process: `tokenizers`' trainer alone numbers each
+    character's "##" continuation in hash-map order, and those numbers break ties between merges. So the
+    alphabet (by code point, as the trainer orders it) and then the continuations, sorted, are given to the
+    trainer as special tokens; the tokenizer returned keeps only SPECIAL_TOKENS as special.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if iter(texts) is texts:
         raise TypeError("train_tokenizer reads the texts twice: pass a list or a re-iterable")
-    normalizer = text_normalizer()
-    alphabet = sorted(characters(texts, normalizer))
-    continuations = [CONTINUATION + c for c in alphabet if not splits_words(c)]
-    trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, special_tokens=SPECIAL_TOKENS + alphabet + continuations,
-                                         min_frequency=MIN_FREQUENCY, continuing_subword_prefix=CONTINUATION,
-                                         show_progress=False)
+    normalizer, pre_tokenizer = text_normalizer(), pre_tokenizers.BertPreTokenizer()
+    # The trainer's alphabet: the characters of words (whitespace is none), by code point; those that can
+    # continue a word (punctuation cannot: "a" + c + "a" is then three words) have a "##" continuation.
+    alphabet = sorted(c for c in characters(texts, normalizer) if pre_tokenizer.pre_tokenize_str(c))
+    continuations = [CONTINUATION + c for c in alphabet if len(pre_tokenizer.pre_tokenize_str(f"a{c}a")) == 1]
+    trainer = trainers.WordPieceTrainer(vocab_size=cfg.vocab_size, min_frequency=MIN_FREQUENCY,
+                                         special_tokens=SPECIAL_TOKENS + alphabet + continuations,
+                                         continuing_subword_prefix=CONTINUATION, show_progress=False)
 
     def assemble(model):
         tok = Tokenizer(model)
-        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+        tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizer, decoders.WordPiece()
         return tok
 
     tok = assemble(models.WordPiece(unk_token="[UNK]"))
@@ -110,24 +108,13 @@ def text_keys(texts: Iterable[str]) -> list[bytes]:
 
 
 def characters(texts: Iterable[str], normalizer) -> set[str]:
-    """The characters of `texts` normalized by `normalizer`, whitespace aside. It may hold a few
-    that no text has once normalized whole (e.g. the "<" of a "<br />"): never in a word, they are
-    dead entries of a vocabulary and leave the other tokens in the order they had."""
+    """The characters of `texts` normalized by `normalizer`. A few may be in no text normalized whole (the
+    "<" of a "<br />"): unused entries of the vocabulary, which change no other."""
     seen: set[str] = set()
     for t in texts:  # only texts that NFKC changes are normalized whole, since NFKC composes characters;
         seen.update(t if unicodedata.is_normalized("NFKC", t) else normalizer.normalize_str(t))
     # the rest of the normalizer (the <br> replacement, lowercasing) maps character by character
-    return {c for ch in seen for c in normalizer.normalize_str(ch) if not is_whitespace(c)}
-
-
-def is_whitespace(c: str) -> bool:
-    """Rust's char::is_whitespace, which BertPreTokenizer splits at: Python's isspace() less U+001C-U+001F."""
-    return c.isspace() and c not in "\x1c\x1d\x1e\x1f"
-
-
-def splits_words(c: str) -> bool:
-    """Whether BertPreTokenizer splits words at `c` (whitespace, punctuation): then no word continues with it."""
-    return is_whitespace(c) or c in string.punctuation or unicodedata.category(c)[0] == "P"
+    return {c for ch in seen for c in normalizer.normalize_str(ch)}
 
 
 def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint: str):
@@ -138,15 +125,11 @@ def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint:
     key = cache_key(fingerprint, "wordpiece", cfg.vocab_size, True, MIN_FREQUENCY, TOKENIZER_VERSION)
     path = cache_dir() / f"tokenizer-{key}.json"
     if path.is_file():
-        try:
+        with contextlib.suppress(Exception):  # a damaged cache entry is made again
             return Tokenizer.from_file(str(path))
-        except Exception:  # noqa: BLE001, S110 (a damaged cache entry is rebuilt below)
-            pass
     tok = train_tokenizer(texts, cfg, n)
-    try:
+    with contextlib.suppress(OSError):  # caching is an optimisation: a read-only cache must not stop training
         atomic_write_text(path, tok.to_str())
-    except OSError:
-        pass  # caching is an optimisation; a read-only cache dir must not stop training
     return tok
 
 
@@ -162,7 +145,6 @@ def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) ->
     return ids[:head] + ids[len(ids) - (limit - head) :]
 
 
-
 ENCODE_CHUNK = 4096  # texts encoded at a time: memory stays bounded on any number of texts
 
 
@@ -175,10 +157,8 @@ def encode_texts(tokenizer, texts: list[str], max_length: int | None, truncation
         for e in tokenizer.encode_batch_fast(texts[start : start + ENCODE_CHUNK], add_special_tokens=False):
             kept = e.ids if max_length is None else truncate(e.ids, limit, truncation, head_fraction)
             rows.append(np.array([CLS_ID, *kept], dtype=np.int32))
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum([len(r) for r in rows], out=offsets[1:])
-    ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)
-    return ids, offsets
+    offsets = np.cumsum([0, *map(len, rows)], dtype=np.int64)
+    return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)), offsets
 
 
 def read_length(cfg: DataConfig) -> int | None:
@@ -190,18 +170,14 @@ def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -
     key = cache_key(fingerprint, tokenizer.to_str(), read_length(cfg), cfg.truncation, cfg.head_fraction,
                     ENCODING_VERSION)
     path = cache_dir() / f"encoded-{key}.npz"
+    damaged = (OSError, ValueError, KeyError, zipfile.BadZipFile)  # an entry made again
     if path.is_file():
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                if len(z["offsets"]) == len(raw) + 1:
-                    return Encoded(z["ids"], z["offsets"], raw.labels)
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is rebuilt below
+        with contextlib.suppress(*damaged), np.load(path, allow_pickle=False) as z:
+            if len(z["offsets"]) == len(raw) + 1:
+                return Encoded(z["ids"], z["offsets"], raw.labels)
     ids, offsets = encode_texts(tokenizer, raw.texts, read_length(cfg), cfg.truncation, cfg.head_fraction)
-    try:
-        buf = io.BytesIO()
-        np.savez(buf, ids=ids, offsets=offsets)
+    buf = io.BytesIO()
+    np.savez(buf, ids=ids, offsets=offsets)
+    with contextlib.suppress(OSError):
         atomic_write_bytes(path, buf.getvalue())
-    except OSError:
-        pass
     return Encoded(ids, offsets, raw.labels)

@@ -5,6 +5,8 @@ metrics.json, TensorBoard events, and checkpoints/ for exact resume.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +43,11 @@ class Classification:
 
     def __init__(self, train: Encoded, val: Encoded, labels: list[str], eval_batch_size: int,
                  select_metric: str = "accuracy", tokenizer=None, val_texts: list[str] | None = None,
-                 window: int | None = None, train_window: int | None = None):
+                 window: int | None = None, train_window: int | None = None, class_weights: list[float] | None = None):
         self.train, self.val, self.labels = train, val, labels
+        # Weigh the training loss only (train/loss logs that objective); validation's loss stays unweighted, so that
+        # val/loss compares across runs with and without weights.
+        self.class_weights = None if class_weights is None else torch.tensor(class_weights, dtype=torch.float32)
         self.window, self.train_window = window, train_window  # data.long_text = "windows": reviews read whole
         self.val_texts = val_texts  # val's reviews, to show where one was cut (TensorBoard pictures)
         self.tokenizer = tokenizer  # the run's, to show validation reviews as text (TensorBoard pictures)
@@ -65,7 +70,8 @@ class Classification:
 
     def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ids, mask, y = batch.tensors
-        _, loss = engine(ids, mask, y)
+        weights = None if self.class_weights is None else self.class_weights.to(ids.device)
+        _, loss = engine(ids, mask, y, class_weights=weights)
         return loss, {"loss": loss.detach()}
 
     def log_pictures(self, writer, step: int, metrics: dict, data_cfg) -> None:
@@ -78,6 +84,22 @@ class Classification:
         tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"], "val/ece": m["ece"]}
         return m, tags, selection_score(m, self.select_metric)
 
+
+
+def class_weights(setting: str | list[float] | None, train_labels: np.ndarray, labels: list[str]) -> list[float] | None:
+    """train.class_weights for the classes `labels`: "balanced" is n / (K x count) for each class over the
+    training labels (scikit-learn's), so that each class, all its reviews together, weighs as much in the loss."""
+    if setting == "balanced":
+        counts = np.bincount(train_labels, minlength=len(labels))
+        if not counts.all():
+            absent = ", ".join(name for name, n in zip(labels, counts) if n == 0)
+            raise UsageError(f'train.class_weights = "balanced": the training part has no review of class {absent}; '
+                             "give the weights as a list, one per class")
+        return (len(train_labels) / (len(labels) * counts)).tolist()
+    if setting is not None and len(setting) != len(labels):
+        raise UsageError(f"train.class_weights = {setting!r}: {len(setting)} weights, but the data has {len(labels)} "
+                         f"classes ({', '.join(labels)}); give one weight per class, in that order, or \"balanced\"")
+    return setting
 
 
 def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = False) -> Run:
@@ -109,18 +131,23 @@ def setup(cfg: Config, rt: Runtime, resume: bool | str = False, force: bool = Fa
         load_encoder(model.encoder, Path(tc.init_from))
     d = cfg.data
     windowed = d.long_text == "windows"
+    weights = class_weights(tc.class_weights, data.train.labels, data.labels)
     task = Classification(data.train, data.val, data.labels, tc.eval_batch_size, tc.select_metric or "accuracy",
                           data.tokenizer, data.val_texts, d.max_length if windowed else None,
-                          (d.train_max_length or d.max_length) if windowed else None)
-    files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels)
+                          (d.train_max_length or d.max_length) if windowed else None, weights)
+    meta = {"class_weights": weights} if weights is not None else {}  # the weights used, beside the labels
+    files = ckpt.model_files(cfg.to_dict(), data.tokenizer.to_str(), vocab_size, labels=data.labels, **meta)
     return build_run(cfg, rt, model, task, resume_dir, force, files)
 
 
 
-def train(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True) -> dict:
-    """Run `tfm train`: returns the metrics that are also written to metrics.json."""
+def train(cfg: Config, resume: bool | str = False, force: bool = False, progress: bool = True,
+          on_validation: Callable[[int, dict], None] | None = None) -> dict:
+    """Run `tfm train`: returns the metrics that are also written to metrics.json. `on_validation(step, metrics)`
+    is called after each validation pass (Run.on_validation)."""
     rt = make_runtime(cfg.train.device, cfg.train.precision)
-    return run_to_end(rt, lambda: setup(cfg, rt, resume, force), finish, resume, progress)
+    return run_to_end(rt, lambda: replace(setup(cfg, rt, resume, force), on_validation=on_validation), finish, resume,
+                      progress)
 
 
 

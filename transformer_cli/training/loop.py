@@ -300,6 +300,10 @@ class Run:
     task: Task
     state: TrainState
     ema: Ema | None = None
+    # Called on every rank after each validation pass (and the checkpoint that follows it, if one is due; not
+    # when a signal stops the run there) with the step and the validation metrics, e.g. by `tfm tune` to report
+    # to its trial; an exception it raises ends the run there, its best model so far saved.
+    on_validation: Callable[[int, dict], None] | None = None
 
 
 @dataclass
@@ -492,11 +496,11 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                     )
             if st.step % tc.log_every == 0 or st.step == total:
                 _log_train(window, result, logger, bar, run)
-            stopping = result.stopping
+            stopping, validated = result.stopping, None
             if result.last:  # validated and saved once, at the end of each epoch and of the run
                 with _untimed(window):
                     t0 = clock()
-                    validate(run, logger)
+                    validated = validate(run, logger)
                     st.train_time_sec = elapsed()
                     # A stop during the last validation still gets the checkpoint first. The ranks
                     # agree before it, so that its barrier stays the epoch's last collective.
@@ -509,7 +513,7 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                 if tc.eval_every and st.step % tc.eval_every == 0:
                     with _untimed(window):
                         t0 = clock()
-                        validate(run, logger)
+                        validated = validate(run, logger)
                         ending["sec"] = clock() - t0
                 st.train_time_sec = elapsed()
                 if tc.checkpoint_every and st.step % tc.checkpoint_every == 0 or stopping or out_of_patience(tc, st):
@@ -517,6 +521,8 @@ def fit(run: Run, logger: Logger, progress: bool = True) -> None:
                         where = save_checkpoint(run)
             if stopping:
                 raise Interrupted(stop.signum or signal.SIGTERM, where or run.out)
+            if validated is not None and run.on_validation is not None:
+                run.on_validation(st.step, validated)
             if out_of_patience(tc, st) and st.step < total:
                 metric = run.task.select_metric
                 _say(f"stopped early at step {st.step}: {st.evals_since_best} validation passes without a better "

@@ -135,7 +135,10 @@ def lock_output_dir(out: Path) -> None:
     """Hold an exclusive lock on the output directory until the run ends (release_output_dirs), made if need
     be: a second run into it, started at the same moment or later, is refused before it writes anything."""
     made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir") from None
     fd = os.open(out, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
