@@ -17,7 +17,7 @@ def test_a_trained_model_has_a_card_that_parses_as_a_hugging_face_model_card(mod
     card = ModelCard.load(model_dir / "README.md")
     assert card.data.library_name == "transformer-cli" and "text-classification" in card.data.tags
     results = {(r.dataset_split, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert set(results) == {("validation", "accuracy"), ("validation", "f1")}
+    assert {("validation", "accuracy"), ("validation", "f1")} <= set(results)  # and test's, once evaluated
     assert 0.5 < results["validation", "accuracy"] <= 1
     text = card.text
     for heading in ("## Training", "## Results", "## Use", "## Limitations"):

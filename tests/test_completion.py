@@ -38,7 +38,7 @@ def test_show_completion_prints_a_bash_script():
 
 @pytest.mark.parametrize(("words", "cword", "want"), [
     ("tfm tr", 1, ["train"]),
-    ("tfm ", 1, ["train", "pretrain", "predict", "evaluate"]),
+    ("tfm ", 1, ["train", "pretrain", "tune", "data", "predict", "evaluate"]),
     ("tfm evaluate --js", 2, ["--json"]),
     ("tfm train --resume-f", 2, ["--resume-from"]),
 ])

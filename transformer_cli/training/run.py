@@ -138,7 +138,8 @@ def lock_output_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir") from None
+        raise UsageError(f"cannot create output directory '{out}' ({e.strerror}); choose another --output-dir") \
+            from None
     fd = os.open(out, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
