@@ -435,17 +435,19 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
+def read_toml(path: str | Path, what: str | None = None) -> dict[str, Any]:
+    """A TOML file's tables; `what` names it in errors (default: as a config file)."""
     path = Path(path)
+    where = what or f"config file '{path}'"
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise UsageError(f"config file '{path}' does not exist; see configs/ for the shipped recipes") from None
+        raise UsageError(f"{where} does not exist" + ("" if what else "; see configs/ for the shipped recipes")) from None
     except IsADirectoryError:
-        raise UsageError(f"config file '{path}' is a directory; pass a .toml file") from None
+        raise UsageError(f"{where} is a directory; pass a .toml file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"config file '{path}' is not valid TOML: {e}") from None
+        raise UsageError(f"{where} is not valid TOML: {e}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,

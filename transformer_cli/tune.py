@@ -16,14 +16,13 @@ import os
 import socket
 import sys
 import time
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from transformer_cli.config import SECTIONS, Config, duration_sec, load_config
+from transformer_cli.config import SECTIONS, Config, duration_sec, load_config, read_toml
 from transformer_cli.errors import TfmError, UsageError, cause_line, first_line
 from transformer_cli.fileio import atomic_write_text, check_output_path
 
@@ -72,14 +71,7 @@ def read_space(path: str | Path, base: dict) -> list[Param]:
     """The parameters of a space file, each value it allows at its ends (or each choice) checked as a
     setting of `base` (a Config's dict) by load_config; anything wrong is a UsageError naming the file."""
     where = f"--space '{path}'"
-    try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"{where} does not exist") from None
-    except IsADirectoryError:
-        raise UsageError(f"{where} is a directory; pass a .toml file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{where} is not valid TOML: {e}") from None
+    raw = read_toml(path, where)
     params: dict[str, Param] = {}
     for name, spec in _tables(raw):
         if name in params:
