@@ -47,12 +47,8 @@ import numpy as np
 import torch
 
 from transformer_cli.errors import TfmError
+from transformer_cli.runtime import make_runtime
 from transformer_cli.tokens import CLS_ID, PAD_ID
-
-try:
-    from transformer_cli.training.runtime import make_runtime
-except ImportError:
-    from transformer_cli.runtime import make_runtime
 
 MAX_TEXTS, MAX_BODY = 64, 100_000  # the server's --max-texts and --max-body-bytes here
 

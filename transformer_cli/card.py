@@ -10,10 +10,10 @@ import shlex
 from pathlib import Path
 
 from transformer_cli.config import PRETRAINED_KIND, Config, saved_config
+from transformer_cli.data import local_paths
 from transformer_cli.fileio import atomic_write_text, read_json
 
 CARD_FILE = "README.md"
-HUB_ID = "/"  # a data source with one of these and no such path on this machine is a Hub dataset id
 
 
 def write_card(out: str | Path, test: dict | None = None) -> Path:
@@ -47,7 +47,7 @@ def reproducing_command(cfg: Config, pretrained: bool) -> str:
 
 def _dataset(cfg: Config) -> str:
     source = cfg.data.source
-    return source if HUB_ID in source and not Path(source).exists() else Path(source).name
+    return Path(source).name if local_paths(source) else source  # a Hub id as it is, a local path by its name
 
 
 def _front_matter(name: str, cfg: Config, metrics: dict, test: dict | None, pretrained: bool) -> str:

@@ -224,7 +224,6 @@ class CTransformer(nn.Module):
         init_weights(self, cfg.n_layers)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor | None = None,
-                label_smoothing: float = 0.0,
                 class_weights: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """(B, K) logits, or with `labels` (B,) the logits and the training loss; `class_weights` (K,) weigh
         each example's loss by its class (the mean is then over the weights, as F.cross_entropy's)."""
@@ -235,7 +234,7 @@ class CTransformer(nn.Module):
         logits = self.head(pool(self.encoder(ids, mask, positions), mask, self.cfg.pooling))  # (B, K)
         if labels is None:
             return logits
-        return logits, F.cross_entropy(logits.float(), labels, weight=class_weights, label_smoothing=label_smoothing)
+        return logits, F.cross_entropy(logits.float(), labels, weight=class_weights)
 
     def param_groups(self, weight_decay: float, layer_lr_decay: float = 1.0) -> list[dict]:
         return layer_groups(list(self.named_parameters()), self.cfg.n_layers, weight_decay, layer_lr_decay)
