@@ -30,7 +30,6 @@ import datetime
 import http.client
 import json
 import math
-import os
 import queue
 import random
 import signal
@@ -47,25 +46,10 @@ import numpy as np
 import torch
 
 from transformer_cli.errors import TfmError
-from transformer_cli.runtime import make_runtime
+from transformer_cli.runtime import hardware, make_runtime
 from transformer_cli.tokens import CLS_ID, PAD_ID
 
 MAX_TEXTS, MAX_BODY = 64, 100_000  # the server's --max-texts and --max-body-bytes here
-
-
-def hardware() -> str:
-    """The CPU model and the flags that decide its bf16 speed, cores, torch and its threads, the GPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)  # every CPU's are alike
-            if k.strip() in ("model name", "flags")}
-    flags = set(info.get("flags", "").split())
-    marks = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx512_bf16", "amx_bf16"))
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return (f"CPU: {info.get('model name', 'unknown')} ({marks}); {os.cpu_count()} logical cores; "
-            f"torch {torch.__version__}, {torch.get_num_threads()} threads; GPU: {gpu}")
 
 
 def need_transformers():

@@ -9,18 +9,23 @@ Each recipe trains once per seed, into OUT/NAME-sSEED, with `tfm train ... --see
     self-trained  tfm train --config configs/self-train.toml --init-from OUT/cpu-pretrain
                   data.pseudo_labels=OUT/pseudo-sSEED.jsonl   (the CPU pair only)
 
-PAIR is --pair, cpu (2 cores, about 2 hours in all) or gpu. The encoder is pretrained once, by
-`tfm pretrain --config configs/PAIR-pretrain.toml -o OUT/PAIR-pretrain` (with the default --out, the
-folder the config names). For self-trained, the pretrained run of the same seed labels the dataset's
-`unsupervised` split first (`tfm pseudo-label -c OUT/cpu-pretrained-sSEED -o OUT/pseudo-sSEED.jsonl`).
+PAIR is --pair, cpu (2 cores, at most 2 hours a seed) or gpu. Each seed pretrains its own encoder first, by
+`tfm pretrain --config configs/PAIR-pretrain.toml -o OUT/PAIR-pretrain-sSEED --seed SEED`, so that one seed's
+pipeline is its pretraining and fine-tuning, run one after the other. For self-trained, the pretrained run of
+the same seed labels the dataset's `unsupervised` split first
+(`tfm pseudo-label -c OUT/cpu-pretrained-sSEED -o OUT/pseudo-sSEED.jsonl`).
 
 A run whose folder holds metrics.json is not repeated, and an interrupted one resumes, so the script can
-be stopped and started again. The command that trained a run is kept in its folder (command.txt) and
-shown in the table. If a `tfm` step fails, the script names it and exits with its exit code.
+be stopped and started again. The command that made a run and its wall time, with every attempt's time
+added, are kept in its folder (step.json) and shown in the table. If a `tfm` step fails, the script names it
+and exits with its exit code. --pipeline-json writes each seed's pretrained pipeline (test accuracy, wall
+time of its two steps from raw data to the test figure, CPU, date, commands) as one JSON file.
 
     python scripts/reproduce_imdb.py --data path/to/imdb
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained --pair gpu
+    python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2 \
+        --pipeline-json docs/results/cpu-pipeline.json
     python scripts/reproduce_imdb.py --data path/to/imdb --seeds 1 -- train.num_threads=1   # overrides after --
 
 Training times are what `tfm train` measured (metrics.json), comparable only when nothing else ran.
@@ -29,6 +34,7 @@ Training times are what `tfm train` measured (metrics.json), comparable only whe
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
@@ -36,6 +42,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -46,7 +53,7 @@ CONFIGS = ROOT / "configs"
 TFM = [sys.executable, "-m", "transformer_cli"]
 RECIPES = ("default", "seed", "pretrained", "scratch", "self-trained")
 PAIRS = ("cpu", "gpu")
-COMMAND_FILE = "command.txt"
+STEP_FILE = "step.json"
 
 
 def run_name(recipe: str, seed: int, pair: str) -> str:
@@ -56,8 +63,8 @@ def run_name(recipe: str, seed: int, pair: str) -> str:
     return f"{recipe}-s{seed}"
 
 
-def encoder_dir(out: Path, pair: str) -> Path:
-    return out / f"{pair}-pretrain"
+def encoder_dir(out: Path, pair: str, seed: int) -> Path:
+    return out / f"{pair}-pretrain-s{seed}"
 
 
 def recipe_args(recipe: str, seed: int, out: Path, pair: str) -> list[str]:
@@ -68,13 +75,14 @@ def recipe_args(recipe: str, seed: int, out: Path, pair: str) -> list[str]:
     if recipe == "seed":
         return ["--config", str(CONFIGS / "seed.toml"), "--epochs", "1"]
     if recipe == "pretrained":
-        return ["--config", str(finetune), "--init-from", str(encoder_dir(out, pair))]
+        return ["--config", str(finetune), "--init-from", str(encoder_dir(out, pair, seed))]
     if recipe == "self-trained":
         labels = json.dumps(str(out / f"pseudo-s{seed}.jsonl"))
-        return ["--config", str(CONFIGS / "self-train.toml"), "--init-from", str(encoder_dir(out, "cpu")),
+        return ["--config", str(CONFIGS / "self-train.toml"), "--init-from", str(encoder_dir(out, "cpu", seed)),
                 f"data.pseudo_labels={labels}"]
     if recipe == "scratch":  # the encoder's sizes, but for those the fine-tuning sets itself (data.max_length)
-        sizes, own = (tomllib.loads(p.read_text(encoding="utf-8")) for p in (CONFIGS / f"{pair}-pretrain.toml", finetune))
+        files = CONFIGS / f"{pair}-pretrain.toml", finetune
+        sizes, own = (tomllib.loads(p.read_text(encoding="utf-8")) for p in files)
         return ["--config", str(finetune), *[f"{section}.{key}={json.dumps(sizes[section][key])}"
                                              for section, keys in ENCODER_FIELDS.items() for key in keys
                                              if key in sizes.get(section, {}) and key not in own.get(section, {})]]
@@ -94,12 +102,12 @@ def steps(recipes: list[str], seeds: list[int], pair: str, data: str, out: Path,
                                     "-o", str(folder), "--seed", str(seed), "--test", *train_extra])
         return folder
 
-    if {"pretrained", "self-trained"} & set(recipes):
-        encoder = encoder_dir(out, pair)
-        planned[encoder] = [*TFM, "pretrain", "--config", str(CONFIGS / f"{pair}-pretrain.toml"), "--data", data,
-                            "-o", str(encoder), *pretrain_extra]
     for recipe in recipes:
         for seed in seeds:
+            if recipe in ("pretrained", "self-trained"):
+                encoder = encoder_dir(out, pair, seed)
+                planned.setdefault(encoder, [*TFM, "pretrain", "--config", str(CONFIGS / f"{pair}-pretrain.toml"),
+                                             "--data", data, "-o", str(encoder), "--seed", str(seed), *pretrain_extra])
             if recipe == "self-trained":
                 teacher, labels = train("pretrained", seed), out / f"pseudo-s{seed}.jsonl"
                 planned.setdefault(labels, [*TFM, "pseudo-label", "-c", str(teacher), "--data", data,
@@ -118,23 +126,51 @@ def shown(cmd: list[str]) -> str:
     return shlex.join(["tfm", *cmd[len(TFM):]])
 
 
+def step_record(target: Path) -> dict:
+    """A folder's step.json: the command that made it and its wall time, every attempt's added."""
+    file = target / STEP_FILE
+    return json.loads(file.read_text()) if file.exists() else {"wall_time_sec": 0.0}
+
+
 def run_step(target: Path, cmd: list[str]) -> None:
     """Run one step unless its output is there: a file, or a folder with metrics.json (then resume it if it
-    stopped half-way); keep a training's command in its folder."""
+    stopped half-way); keep a folder's command and wall time in its step.json."""
     done = target.exists() if target.suffix == ".jsonl" else (target / "metrics.json").exists()
     if done:
-        kept = target / COMMAND_FILE
-        if kept.exists() and kept.read_text().strip() != shown(cmd):
-            print(f"reproduce_imdb: warning: {target} was trained by another command, kept: `{kept.read_text().strip()}`"
+        kept = step_record(target).get("command")
+        if kept is not None and kept != shown(cmd):
+            print(f"reproduce_imdb: warning: {target} was trained by another command, kept: `{kept}`"
                   " (remove the folder to train it with this one)", file=sys.stderr)
         return
     resume = ["--resume"] if any((target / "checkpoints").glob("step-*")) else []
     print("$", shown(cmd + resume), flush=True)
-    code = subprocess.run(cmd + resume, check=False).returncode
+    start = time.monotonic()
+    try:
+        code = subprocess.run(cmd + resume, check=False).returncode
+    finally:
+        if target.suffix != ".jsonl" and target.is_dir():
+            record = step_record(target)
+            record.update(command=shown(cmd), date=datetime.date.today().isoformat(),
+                          wall_time_sec=record["wall_time_sec"] + time.monotonic() - start)
+            (target / STEP_FILE).write_text(json.dumps(record, indent=2) + "\n")
     if code != 0:
         raise StepFailed(cmd, code)
-    if target.suffix != ".jsonl":
-        (target / COMMAND_FILE).write_text(shown(cmd) + "\n")
+
+
+def pipeline_runs(out: Path, pair: str, seeds: list[int]) -> dict:
+    """Each seed's pretrained pipeline, its encoder then its fine-tuning: test accuracy, the two steps' wall
+    time, the date and the commands; the CPU as the fine-tuning's metrics.json names it."""
+    runs, hardware = [], ""
+    for seed in seeds:
+        folders = encoder_dir(out, pair, seed), out / run_name("pretrained", seed, pair)
+        records = [step_record(f) for f in folders]
+        metrics = json.loads((folders[1] / "metrics.json").read_text())
+        hardware = metrics.get("hardware", hardware)
+        runs.append({"seed": seed, "test_accuracy": metrics["test"]["accuracy"],
+                     "val_accuracy": metrics["val"]["accuracy"],
+                     "wall_time_sec": round(sum(r["wall_time_sec"] for r in records), 1),
+                     "date": records[1].get("date"), "commands": [r.get("command") for r in records]})
+    return {"cpu": hardware, "cores": os.cpu_count(), "runs": runs}
 
 
 def main() -> int:
@@ -145,8 +181,11 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1337], help="one run per recipe and seed")
     ap.add_argument("--pair", choices=PAIRS, default="cpu", help="the encoder and fine-tuning of pretrained, scratch")
     ap.add_argument("--results-dir", type=Path, help="copy each run's metrics.json here as NAME-sSEED.json")
+    ap.add_argument("--pipeline-json", type=Path, help="write each seed's pretrained pipeline here")
     ap.add_argument("extra", nargs="*", help="config overrides for every step, e.g. train.num_threads=1")
     args = ap.parse_args()
+    if args.pipeline_json and "pretrained" not in args.recipes:
+        ap.error("--pipeline-json: the pipeline is the pretrained recipe; add it to --recipes")
     if args.pair != "cpu" and "self-trained" in args.recipes:
         ap.error(f"--pair {args.pair}: self-trained is for the cpu pair only (configs/self-train.toml fine-tunes "
                  "configs/cpu-pretrain.toml's encoder)")
@@ -167,27 +206,33 @@ def main() -> int:
 
     runs = [t for t, cmd in plan if cmd[len(TFM)] == "train"]
     print(f"\n{os.cpu_count()} CPUs\n")
-    print("| run | val acc | test acc | train time | train samples/s | test reviews/s | command |")
+    print("| run | val acc | test acc | wall time | train samples/s | test reviews/s | command |")
     print("|---|---|---|---|---|---|---|")
     for target, cmd in plan:
         if cmd[len(TFM)] == "pretrain":
             m = json.loads((target / "metrics.json").read_text())
             print(f"| {target.name} (encoder) | held-out masked-LM accuracy {m['val']['accuracy']:.2%} | - | "
-                  f"{m['train_time_sec'] / 60:.1f} min | {m['tokens_per_sec']:.0f} tokens/s | - | `{shown(cmd)}` |")
+                  f"{step_record(target)['wall_time_sec'] / 60:.1f} min | {m['tokens_per_sec']:.0f} tokens/s | - | "
+                  f"`{shown(cmd)}` |")
     for folder in runs:
         m = json.loads((folder / "metrics.json").read_text())
         print(f"| {folder.name} | {m['val']['accuracy']:.2%} | {m['test']['accuracy']:.2%} | "
-              f"{m['train_time_sec'] / 60:.1f} min | {m['samples_per_sec']:.0f} | {m['test']['examples_per_sec']:.0f} | "
-              f"`{(folder / COMMAND_FILE).read_text().strip()}` |")
+              f"{step_record(folder)['wall_time_sec'] / 60:.1f} min | {m['samples_per_sec']:.0f} | "
+              f"{m['test']['examples_per_sec']:.0f} | "
+              f"`{step_record(folder).get('command')}` |")
         if args.results_dir:
             args.results_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(folder / "metrics.json", args.results_dir / f"{folder.name}.json")
     for recipe in args.recipes:
-        tests = [json.loads((args.out / run_name(recipe, s, args.pair) / "metrics.json").read_text())["test"]["accuracy"]
-                 for s in args.seeds]
+        folders = [args.out / run_name(recipe, s, args.pair) for s in args.seeds]
+        tests = [json.loads((f / "metrics.json").read_text())["test"]["accuracy"] for f in folders]
         if len(tests) > 1:
             print(f"\n{recipe}: test accuracy {statistics.mean(tests):.2%} ± {statistics.stdev(tests):.2%} "
                   f"(mean ± sample std over {len(tests)} seeds)")
+    if args.pipeline_json:
+        args.pipeline_json.parent.mkdir(parents=True, exist_ok=True)
+        args.pipeline_json.write_text(json.dumps(pipeline_runs(args.out, args.pair, args.seeds), indent=2) + "\n")
+        print(f"wrote {args.pipeline_json}")
     return 0
 
 

@@ -42,7 +42,8 @@ def main() -> None:
         from sklearn.feature_extraction.text import TfidfVectorizer
         from sklearn.linear_model import LogisticRegression
     except ImportError as e:  # (e says which module: scikit-learn itself, or one it needs)
-        raise TfmError(f"this baseline needs scikit-learn, which tfm does not (pip install scikit-learn): {e}") from None
+        need = "this baseline needs scikit-learn, which tfm does not (pip install scikit-learn)"
+        raise TfmError(f"{need}: {e}") from None
 
     train, val, test = splits(args.data, args.seed)
 

@@ -1,6 +1,7 @@
 """The runtime context: device and precision choices, refusals, and mixed precision against fp32."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 from transformer_cli import checkpoint as ckpt
 from transformer_cli import runtime
 from transformer_cli.errors import UsageError
-from transformer_cli.runtime import Runtime, make_runtime, resolve_device, resolve_precision
+from transformer_cli.runtime import Runtime, hardware, make_runtime, resolve_device, resolve_precision
 
 CPU = torch.device("cpu")
 
@@ -152,3 +153,12 @@ def test_a_bf16_training_run_follows_the_fp32_run(synthetic_data_dir, tmp_path, 
         torch.testing.assert_close(weights["bf16"][name], w, atol=0.05, rtol=0.05, msg=name)
     assert bf16["val"]["loss"] == pytest.approx(fp32["val"]["loss"], rel=0.05)
     assert abs(bf16["val"]["accuracy"] - fp32["val"]["accuracy"]) <= 0.1
+
+
+def test_the_hardware_line_says_what_the_cpu_has():
+    line = hardware()
+    flags = next((x.split(":", 1)[1].split() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                  if x.startswith("flags")), [])
+    for flag in ("avx2", "avx512_bf16", "amx_bf16"):
+        assert f"{flag} {'yes' if flag in flags else 'no'}" in line
+    assert f"torch {torch.__version__}, {torch.get_num_threads()} threads" in line and "GPU: " in line

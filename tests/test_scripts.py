@@ -1,6 +1,7 @@
 """The scripts: bench.py's comparisons at tiny sizes and its load test's pieces, reproduce_imdb.py's plan of
 `tfm` commands, tfidf_baseline.py on synthetic data."""
 
+import contextlib
 import importlib.util
 import json
 import random
@@ -31,15 +32,6 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 # --------------------------------------------------------------------------- bench.py
-
-
-def test_the_hardware_line_says_what_the_cpu_has():
-    line = bench.hardware()
-    flags = next((x.split(":", 1)[1].split() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                  if x.startswith("flags")), [])
-    for flag in ("avx2", "avx512_bf16", "amx_bf16"):
-        assert f"{flag} {'yes' if flag in flags else 'no'}" in line
-    assert f"torch {torch.__version__}, {torch.get_num_threads()} threads" in line and "GPU: " in line
 
 
 def test_the_baseline_has_tfms_sizes_and_dropout_and_reads_the_same_mask():
@@ -145,12 +137,13 @@ def test_reproduce_plans_each_recipes_tfm_commands_once_and_in_order(tmp_path):
     extra = ["train.num_threads=1", "pretrain.mask_prob=0.2", 'model.pooling="mean"']
     plan = reproduce.steps(list(reproduce.RECIPES), [1, 2], "cpu", "DATA", tmp_path, extra)
     names = [target.name for target, _ in plan]
-    assert names == ["cpu-pretrain", "default-s1", "default-s2", "seed-s1", "seed-s2", "cpu-pretrained-s1",
-                     "cpu-pretrained-s2", "cpu-scratch-s1", "cpu-scratch-s2", "pseudo-s1.jsonl", "self-trained-s1",
-                     "pseudo-s2.jsonl", "self-trained-s2"]
+    assert names == ["default-s1", "default-s2", "seed-s1", "seed-s2", "cpu-pretrain-s1", "cpu-pretrained-s1",
+                     "cpu-pretrain-s2", "cpu-pretrained-s2", "cpu-scratch-s1", "cpu-scratch-s2", "pseudo-s1.jsonl",
+                     "self-trained-s1", "pseudo-s2.jsonl", "self-trained-s2"]
     cmds = {name: cmd[len(reproduce.TFM):] for name, (_, cmd) in zip(names, plan)}
-    pretrain = cmds["cpu-pretrain"]
+    pretrain = cmds["cpu-pretrain-s2"]  # each seed's pipeline pretrains its own encoder
     assert pretrain[:3] == ["pretrain", "--config", str(CONFIGS / "cpu-pretrain.toml")]
+    assert pretrain[pretrain.index("--seed") + 1] == "2" and pretrain[pretrain.index("-o") + 1].endswith("-s2")
     assert "pretrain.mask_prob=0.2" in pretrain and 'model.pooling="mean"' not in pretrain  # refused by pretrain
     for name, cmd in cmds.items():
         if cmd[0] == "train":
@@ -161,7 +154,7 @@ def test_reproduce_plans_each_recipes_tfm_commands_once_and_in_order(tmp_path):
                 assert Path(cmd[cmd.index("--config") + 1]).is_file()
     assert "--config" not in cmds["default-s1"]
     assert cmds["seed-s1"][1:5] == ["--config", str(CONFIGS / "seed.toml"), "--epochs", "1"]
-    encoder = str(tmp_path / "cpu-pretrain")
+    encoder = str(tmp_path / "cpu-pretrain-s1")
     assert cmds["cpu-pretrained-s1"][1:5] == ["--config", str(CONFIGS / "cpu-finetune.toml"), "--init-from", encoder]
     scratch = cmds["cpu-scratch-s1"]  # the encoder's sizes, from random weights, reading as far as the fine-tuning
     assert "--init-from" not in scratch
@@ -175,9 +168,10 @@ def test_reproduce_plans_each_recipes_tfm_commands_once_and_in_order(tmp_path):
 
 def test_reproduce_takes_the_gpu_pair_and_its_teacher_when_asked(tmp_path):
     plan = reproduce.steps(["self-trained"], [7], "cpu", "DATA", tmp_path, [])
-    assert [t.name for t, _ in plan] == ["cpu-pretrain", "cpu-pretrained-s7", "pseudo-s7.jsonl", "self-trained-s7"]
+    assert [t.name for t, _ in plan] == ["cpu-pretrain-s7", "cpu-pretrained-s7", "pseudo-s7.jsonl",
+                                         "self-trained-s7"]
     plan = reproduce.steps(["pretrained", "scratch"], [7], "gpu", "DATA", tmp_path, [])
-    assert [t.name for t, _ in plan] == ["gpu-pretrain", "gpu-pretrained-s7", "gpu-scratch-s7"]
+    assert [t.name for t, _ in plan] == ["gpu-pretrain-s7", "gpu-pretrained-s7", "gpu-scratch-s7"]
     assert str(CONFIGS / "gpu-pretrain.toml") in plan[0][1] and str(CONFIGS / "gpu-finetune.toml") in plan[1][1]
     assert "model.d_model=512" in plan[2][1] and "model.n_layers=8" in plan[2][1]
 
@@ -192,6 +186,26 @@ def test_reproduce_skips_finished_steps_and_names_a_failed_one(tmp_path):
     with pytest.raises(reproduce.StepFailed) as e:
         reproduce.run_step(tmp_path / "todo", failing)
     assert e.value.code == 3
+
+
+def test_reproduce_adds_up_each_attempts_wall_time_and_writes_the_pipeline(tmp_path):
+    encoder, finetune = tmp_path / "cpu-pretrain-s5", tmp_path / "cpu-pretrained-s5"
+    times = []
+    for folder, code in ((encoder, 3), (encoder, 0), (finetune, 0)):  # the encoder fails once, then resumes
+        writes = (f"import pathlib, sys, time; pathlib.Path({str(folder)!r}).mkdir(exist_ok=True); "
+                  f"time.sleep(0.3 if {code} else 0); sys.exit({code})")  # the failed attempt is the long one
+        with contextlib.suppress(reproduce.StepFailed):
+            reproduce.run_step(folder, [*reproduce.TFM[:1], "-c", writes])
+        times.append(json.loads((folder / "step.json").read_text())["wall_time_sec"])
+    assert 0.3 <= times[0] < times[1]  # the second attempt's time is added to the first's
+    (encoder / "metrics.json").write_text("{}")
+    metrics = {"hardware": "CPU: X", "val": {"accuracy": 0.9}, "test": {"accuracy": 0.91}}
+    (finetune / "metrics.json").write_text(json.dumps(metrics))
+    pipeline = reproduce.pipeline_runs(tmp_path, "cpu", [5])
+    (run,) = pipeline["runs"]
+    steps = [json.loads((f / "step.json").read_text()) for f in (encoder, finetune)]
+    assert pipeline["cpu"] == "CPU: X" and run["seed"] == 5 and run["test_accuracy"] == 0.91
+    assert run["wall_time_sec"] == round(times[1] + times[2], 1) and run["commands"] == [s["command"] for s in steps]
 
 
 def test_reproduce_refuses_self_training_on_the_gpu_pair():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -85,6 +86,21 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)
+
+
+def hardware() -> str:
+    """The CPU model and the flags that decide its bf16 speed, cores, torch and its threads, the GPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lines)  # every CPU's are alike
+            if k.strip() in ("model name", "flags")}
+    flags = set(info.get("flags", "").split())
+    marks = ", ".join(f"{f} {'yes' if f in flags else 'no'}" for f in ("avx2", "avx512_bf16", "amx_bf16"))
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return (f"CPU: {info.get('model name', 'unknown')} ({marks}); {os.cpu_count()} logical cores; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; GPU: {gpu}")
 
 
 def cpu_has_fast_bf16() -> bool:

@@ -24,7 +24,7 @@ from transformer_cli.fileio import (
     remove_stale_temp_files,
     write_json,
 )
-from transformer_cli.runtime import Runtime, shutdown
+from transformer_cli.runtime import Runtime, hardware, shutdown
 from transformer_cli.training.loop import (
     Ema,
     Logger,
@@ -396,6 +396,7 @@ def run_metrics(run: Run) -> dict:
         "bad_steps": st.bad_steps_total,
         "precision": run.rt.precision,
         "device": str(run.rt.device),
+        "hardware": hardware(),
         "world_size": run.rt.world_size,
         "num_params": sum(p.numel() for p in run.model.parameters()),
         "num_train": run.task.num_train,
