@@ -145,7 +145,7 @@ def review_sample(cfg, data: str, n: int, seed: int, max_length: int):
     sample = train.subset(np.sort(np.random.default_rng(seed).permutation(len(train))[:n]))
     tok = train_tokenizer(sample.texts, cfg.data)
     d = cfg.data
-    ids, offsets = encode_texts(tok, sample.texts, max_length, d.truncation, d.head_fraction)
+    ids, offsets = encode_texts(tok, sample.texts, max_length, d.truncation)
     return Encoded(ids, offsets, sample.labels), tok.get_vocab_size(), len(names)
 
 
@@ -342,7 +342,7 @@ def bench_serve(args) -> int:
     review = " ".join(next((t for t in texts if len(t.split()) >= 200), " ".join(texts)).split()[:200])
 
     d = cfg.data
-    ids, offsets = encode_texts(loaded.tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
+    ids, offsets = encode_texts(loaded.tokenizer, texts, d.max_length, d.truncation)
     enc = Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
 
     def evaluate(_) -> None:

@@ -26,7 +26,7 @@ time of its two steps from raw data to the test figure, CPU, date, commands) as 
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained --pair gpu
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2 \
         --pipeline-json docs/results/cpu-pipeline.json
-    python scripts/reproduce_imdb.py --data path/to/imdb --seeds 1 -- train.num_threads=1   # overrides after --
+    python scripts/reproduce_imdb.py --data path/to/imdb --seeds 1 -- train.eval_every=500   # overrides after --
 
 Training times are what `tfm train` measured (metrics.json), comparable only when nothing else ran.
 """
@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--pair", choices=PAIRS, default="cpu", help="the encoder and fine-tuning of pretrained, scratch")
     ap.add_argument("--results-dir", type=Path, help="copy each run's metrics.json here as NAME-sSEED.json")
     ap.add_argument("--pipeline-json", type=Path, help="write each seed's pretrained pipeline here")
-    ap.add_argument("extra", nargs="*", help="config overrides for every step, e.g. train.num_threads=1")
+    ap.add_argument("extra", nargs="*", help="config overrides for every step, e.g. train.eval_every=500")
     args = ap.parse_args()
     if args.pipeline_json and "pretrained" not in args.recipes:
         ap.error("--pipeline-json: the pipeline is the pretrained recipe; add it to --recipes")

@@ -128,7 +128,7 @@ def model_logits(model_dir, texts: list[str]) -> torch.Tensor:
     """The saved model's raw logits of each text alone: the reference for predict's probabilities."""
     model, cfg, tokenizer, _, _ = load_model_dir(model_dir)
     d = cfg.data
-    ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
+    ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation)
     rows = []
     with torch.no_grad():
         for i in range(len(texts)):

@@ -90,7 +90,6 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
         ({"model": {"d_model": 10**30}}, ["model.d_model", "between 1 and 65,536"]),
         ({"model": {"n_layers": 10**6}}, ["model.n_layers", "between 1 and 1,024"]),
         ({"data": {"max_length": 10**8}}, ["data.max_length", "between 2 and 1,048,576"]),
-        ({"train": {"num_threads": 100_000}}, ["train.num_threads", "at most 1,024"]),
         ({"pretrain": {"mask_prob": 1.0}}, ["pretrain.mask_prob", "1.0", "(0, 1)"]),
         ({"pretrain": {"window": 1}}, ["pretrain.window", "at least 2 tokens"]),
         ({"pretrain": {"splits": ["train", "test"]}}, ["pretrain.splits", "never test"]),
@@ -108,7 +107,7 @@ def test_every_shipped_config_sets_only_values_that_differ_from_the_defaults(pat
          "bool-for-int", "float-for-int", "val0", "val1", "val1.5", "literal", "lr-nan", "wd-nan", "clip-nan",
          "checkpoint-neg", "device", "lr-inf", "wd-inf", "dropout-neginf", "vocab-huge", "seed-neg", "seed-huge",
          "output-empty", "val-split-test", "val-split-train", "lr-int-overflow", "width-huge", "depth-huge",
-         "length-huge", "threads-huge", "mask-prob-1", "window-1", "pretrain-on-test", "removed-field",
+         "length-huge", "mask-prob-1", "window-1", "pretrain-on-test", "removed-field",
          "removed-setting", "str-for-list", "unquoted-list", "toml-float",
          "int-for-str", "train-length-over", "train-length-1", "train-length-learned"],
 )

@@ -136,23 +136,21 @@ def test_an_empty_review_in_a_labelled_split_is_refused_with_its_row(tmp_path, t
 
 
 @pytest.mark.parametrize(
-    ("n", "limit", "strategy", "head_fraction", "expected"),
+    ("n", "limit", "strategy", "expected"),
     [
-        (20, 8, "head", 0.25, [0, 1, 2, 3, 4, 5, 6, 7]),
-        (20, 8, "head_tail", 0.25, [0, 1, 14, 15, 16, 17, 18, 19]),
-        (20, 8, "head_tail", 0.5, [0, 1, 2, 3, 16, 17, 18, 19]),
-        (20, 8, "head_tail", 0.0, [12, 13, 14, 15, 16, 17, 18, 19]),
-        (20, 8, "head_tail", 1.0, [0, 1, 2, 3, 4, 5, 6, 7]),
-        (5, 8, "head_tail", 0.25, [0, 1, 2, 3, 4]),
-        (8, 8, "head", 0.25, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (20, 8, "head", [0, 1, 2, 3, 4, 5, 6, 7]),
+        (20, 8, "head_tail", [0, 1, 14, 15, 16, 17, 18, 19]),  # a quarter from the start
+        (20, 12, "head_tail", [0, 1, 2, 11, 12, 13, 14, 15, 16, 17, 18, 19]),
+        (5, 8, "head_tail", [0, 1, 2, 3, 4]),
+        (8, 8, "head", [0, 1, 2, 3, 4, 5, 6, 7]),
     ],
 )
-def test_truncate(n, limit, strategy, head_fraction, expected):
-    assert truncate(list(range(n)), limit, strategy, head_fraction) == expected
+def test_truncate(n, limit, strategy, expected):
+    assert truncate(list(range(n)), limit, strategy) == expected
 
 
 def test_special_tokens_written_in_a_review_are_encoded_as_text(tokenizer):
-    ids, offsets = encode_texts(tokenizer, ["great [PAD] film [CLS] fun [SEP]", "great film fun"], 64, "head", 0.5)
+    ids, offsets = encode_texts(tokenizer, ["great [PAD] film [CLS] fun [SEP]", "great film fun"], 64, "head")
     first, second = ids[offsets[0]:offsets[1]].tolist(), ids[offsets[1]:offsets[2]].tolist()
     assert first[0] == CLS_ID and not {PAD_ID, CLS_ID} & set(first[1:])  # only the [CLS] we put first
     assert len(first) > len(second) + 3  # the brackets and letters became tokens of their own
@@ -201,16 +199,15 @@ def test_encode_texts_gives_the_tokenizers_own_ids_cut_as_truncate_cuts(tokenize
     whole = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
     assert any(SPECIAL_TOKENS.index("[UNK]") in w for w in whole)  # words the vocabulary lacks were among them
     assert any(tokenizer.id_to_token(i).startswith("##") for w in whole for i in w)  # and words of several pieces
-    for max_length, strategy, head_fraction in [(None, "head", 0.25), (9, "head", 0.25), (17, "head_tail", 0.25),
-                                                (33, "head_tail", 0.0), (64, "head_tail", 0.5)]:
-        ids, offsets = encode_texts(tokenizer, texts, max_length, strategy, head_fraction)
+    for max_length, strategy in [(None, "head"), (9, "head"), (17, "head_tail"), (33, "head_tail"), (64, "head_tail")]:
+        ids, offsets = encode_texts(tokenizer, texts, max_length, strategy)
         assert ids.dtype == np.int32 and len(offsets) == len(texts) + 1 and offsets[-1] == len(ids)
         if max_length is not None:  # some texts are cut, some are not
             assert 0 < sum(len(w) >= max_length for w in whole) < len(texts)
         for i, text in enumerate(texts):
-            kept = whole[i] if max_length is None else truncate(whole[i], max_length - 1, strategy, head_fraction)
+            kept = whole[i] if max_length is None else truncate(whole[i], max_length - 1, strategy)
             assert ids[offsets[i] : offsets[i + 1]].tolist() == [CLS_ID, *kept], (max_length, strategy, text)
-    assert encode_texts(tokenizer, [], 16, "head", 0.5)[1].tolist() == [0]
+    assert encode_texts(tokenizer, [], 16, "head")[1].tolist() == [0]
 
 
 def test_tokenizer_round_trip_lowercases_and_drops_br_tags(tokenizer, train_texts):
@@ -730,8 +727,7 @@ def test_a_datasets_own_validation_split_is_validated_on(with_validation_dir, da
     assert prepared.val_split == "validation"
     val_rows = read_jsonl(with_validation_dir / "validation.jsonl")
     assert prepared.val.labels.tolist() == [r["label"] for r in val_rows]
-    expected, _ = encode_texts(prepared.tokenizer, [r["text"] for r in val_rows], cfg.max_length, cfg.truncation,
-                               cfg.head_fraction)
+    expected, _ = encode_texts(prepared.tokenizer, [r["text"] for r in val_rows], cfg.max_length, cfg.truncation)
     assert np.array_equal(prepared.val.ids, expected)
     # what `tfm evaluate --split validation` reads for this run
     again = data_mod.prepare_eval_data(cfg, prepared.tokenizer, "validation", None, seed=0)
@@ -790,7 +786,7 @@ def test_train_max_length_cuts_the_training_reviews_only(data_cfg):
         assert np.array_equal(getattr(cut.val, field), getattr(whole.val, field)), field
 
 
-@pytest.mark.parametrize("change", [{"truncation": "head"}, {"head_fraction": 0.75}, {"vocab_size": 100},
+@pytest.mark.parametrize("change", [{"truncation": "head"}, {"vocab_size": 100},
                                     {"long_text": "windows"}], ids=lambda c: next(iter(c)))
 def test_a_changed_setting_is_not_served_from_the_cache(data_cfg, tmp_path, monkeypatch, change):
     """Prepared beside the cache of the same data under other settings, the result is what a fresh

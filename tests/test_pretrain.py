@@ -234,8 +234,7 @@ def test_the_token_file_written_in_small_chunks_is_memory_mapped_and_equals_enco
     cfg = pretrain_config(synthetic_data_dir, tmp_path / "run")
     corpus = prepare_corpus(cfg)
     texts = [r["text"] for r in map(json.loads, (synthetic_data_dir / "train.jsonl").read_text().splitlines())]
-    ids, offsets = encode_texts(corpus.tokenizer, texts, cfg.data.max_length, cfg.data.truncation,
-                                cfg.data.head_fraction)
+    ids, offsets = encode_texts(corpus.tokenizer, texts, cfg.data.max_length, cfg.data.truncation)
     assert isinstance(corpus.texts.ids, np.memmap)  # read from disk as batches need it, never loaded whole
     assert np.array_equal(corpus.texts.offsets, offsets)
     assert np.array_equal(np.asarray(corpus.texts.ids), ids)
@@ -263,7 +262,7 @@ def test_the_token_file_is_written_chunk_by_chunk(synthetic_data_dir, tmp_path, 
     loaded = load_token_file(tmp_path / "tokens", 15)
     d = cfg.data
     for k, text in enumerate(t for chunk in texts for t in chunk):  # each text's ids, across chunk boundaries
-        ids, _ = encode_texts(corpus.tokenizer, [text], d.max_length, d.truncation, d.head_fraction)
+        ids, _ = encode_texts(corpus.tokenizer, [text], d.max_length, d.truncation)
         for written in (enc, loaded):
             assert written.ids[written.offsets[k] : written.offsets[k + 1]].tolist() == ids.tolist(), k
     assert load_token_file(tmp_path / "tokens", 14) is None  # a file of other texts is not taken
@@ -309,8 +308,7 @@ def test_blank_lines_of_a_text_file_are_no_texts(tmp_path):
     assert len(corpus.texts) == len(lines) and len(corpus.train_idx) == len(lines) - 40
     cfg = pretrain_config(path, tmp_path / "run", data__max_train_samples=60)
     corpus = prepare_corpus(cfg)
-    ids, offsets = encode_texts(corpus.tokenizer, lines[:60], cfg.data.max_length, cfg.data.truncation,
-                                cfg.data.head_fraction)
+    ids, offsets = encode_texts(corpus.tokenizer, lines[:60], cfg.data.max_length, cfg.data.truncation)
     assert np.array_equal(corpus.texts.offsets, offsets) and np.array_equal(np.asarray(corpus.texts.ids), ids)
 
 

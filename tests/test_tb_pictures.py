@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util import tensor_util
 
 from transformer_cli.config import DataConfig, ModelConfig
-from transformer_cli.data import Encoded, encode_texts
+from transformer_cli.data import HEAD_SHARE, Encoded, encode_texts
 from transformer_cli.evaluate import load_model_dir, predict_texts
 from transformer_cli.explain import CUT_MARK
 from transformer_cli.model import CTransformer
@@ -94,11 +94,11 @@ def test_wrong_panel_marks_where_a_long_review_was_cut(trained_dir):
     the word before it; a review that just fits is shown whole."""
     _, cfg, tokenizer, _, _ = load_model_dir(trained_dir)
     limit = cfg.data.max_length - 1
-    head = round(limit * cfg.data.head_fraction)
+    head = round(limit * HEAD_SHARE)
     pieces = tokenizer.encode("greatfilms", add_special_tokens=False).tokens  # e.g. great ##f ##il ##ms
     assert len(pieces) > 1 and pieces[-1].startswith("##")
     texts = ["great " * limit + "greatfilms" + " great" * (limit - head - 1), "great " * limit]
-    ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation, cfg.data.head_fraction)
+    ids, offsets = encode_texts(tokenizer, texts, cfg.data.max_length, cfg.data.truncation)
     enc = Encoded(ids, offsets, np.array([0, 0]))
     panel = wrong_panel(np.array([[0.1, 0.9], [0.2, 0.8]]), enc, ["neg", "pos"], tokenizer, texts, cfg.data)
     cut, whole = [line.split(" | ")[3].removesuffix(" |") for line in panel.splitlines() if line.startswith("| 0.")]
@@ -131,7 +131,7 @@ def test_attention_title_gives_the_probability_tfm_predict_prints(model_dir, mon
     writer = Images()
     d = cfg.data
     for text in texts:
-        ids, offsets = encode_texts(tokenizer, [text], d.max_length, d.truncation, d.head_fraction)
+        ids, offsets = encode_texts(tokenizer, [text], d.max_length, d.truncation)
         tb_pictures.log_attention(writer, 1, model, Encoded(ids, offsets, np.array([1])), labels, tokenizer, temperature)
     assert writer.tags == ["val/attention"] * 2
     p = predict_texts(model_dir, texts[:1], device="cpu")[0]

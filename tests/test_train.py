@@ -453,7 +453,7 @@ def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_
 
 
 @pytest.mark.parametrize(("key", "value", "free"), [
-    ("train.num_threads", 1, True), ("train.eval_batch_size", 8, True), ("train.checkpoint_every", 3, True),
+    ("train.log_every", 7, True), ("train.eval_batch_size", 8, True), ("train.checkpoint_every", 3, True),
     ("train.lr", 0.5, False), ("pretrain.mask_prob", 0.2, False), ("data.vocab_size", 500, False),
 ])
 def test_only_settings_that_leave_training_unchanged_may_differ_on_resume(key, value, free):

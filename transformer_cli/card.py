@@ -10,7 +10,7 @@ import shlex
 from pathlib import Path
 
 from transformer_cli.config import PRETRAINED_KIND, Config, saved_config
-from transformer_cli.data import local_paths
+from transformer_cli.data import HEAD_SHARE, local_paths
 from transformer_cli.fileio import atomic_write_text, read_json
 
 CARD_FILE = "README.md"
@@ -117,7 +117,7 @@ def _truncation(cfg: Config) -> str:
     d = cfg.data
     if d.truncation == "head":
         return f"A text longer than {d.max_length:,} tokens is read up to that length only."
-    return (f"A text longer than {d.max_length:,} tokens is read at its start ({d.head_fraction:.0%}) and end only; "
+    return (f"A text longer than {d.max_length:,} tokens is read at its start ({HEAD_SHARE:.0%}) and end only; "
             "its middle is not read.")
 
 

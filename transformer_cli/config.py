@@ -27,7 +27,6 @@ MAX_VOCAB = 1 << 24  # a tokenizer larger than this is a typo (the tokenizers li
 MAX_WIDTH = 1 << 16  # model.d_model
 MAX_DEPTH = 1024  # model.n_layers, model.ff_mult
 MAX_LENGTH = 1 << 20  # data.max_length, tokens per text
-MAX_THREADS = 1024  # train.num_threads
 DEVICE_NAME = re.compile(r"auto|cpu|mps|cuda(:\d+)?")  # what train.device and --device accept
 Precision = Literal["auto", "fp32", "bf16", "fp16"]  # what train.precision and --precision accept
 SelectMetric = Literal["accuracy", "macro_f1", "loss"]  # validation metrics train.select_metric may name
@@ -170,7 +169,6 @@ class DataConfig(_Section):
     # windows: a review is read whole instead, in windows of max_length tokens whose logits are averaged (training
     # reads one window of train_max_length or max_length a review, another each epoch)
     long_text: Literal["truncate", "windows"] = "truncate"
-    head_fraction: float = 0.25  # with head_tail: share of max_length taken from the start
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
     pseudo_labels: str | None = None  # a `tfm pseudo-label` file whose reviews join the training part
@@ -190,8 +188,6 @@ class DataConfig(_Section):
             self._fail("max_length", f"must be between 2 and {MAX_LENGTH:,}")
         if self.train_max_length is not None and not 2 <= self.train_max_length <= self.max_length:
             self._fail("train_max_length", f"must be between 2 and data.max_length ({self.max_length:,}), or unset")
-        if not 0.0 <= self.head_fraction <= 1.0:
-            self._fail("head_fraction", "must be in [0, 1]")
         for name in ("max_train_samples", "max_eval_samples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 self._fail(name, "must be at least 1 (or unset)")
@@ -242,7 +238,6 @@ class TrainConfig(_Section):
     eval_batch_size: int = 256  # reviews per validation and test batch (pretraining validates in fixed batches)
     test_at_end: bool = False  # evaluate the best model on the test split after training
     checkpoint_every: int | None = 500  # steps between resumable checkpoints besides each epoch end; 0: epoch ends only
-    num_threads: int | None = None  # torch intra-op threads on CPU (default: torch's choice)
     init_from: str | None = None  # a `tfm pretrain` output directory: its encoder and tokenizer start the model
     # For imbalanced classes, each class's weight in the training loss: "balanced" (n / (classes x the class's count)
     # over the training part, as scikit-learn's) or one weight per class, in the labels' order; unset: all equal
@@ -269,11 +264,8 @@ class TrainConfig(_Section):
             self._fail("eval_every", "must be at least 0 (0: validate at epoch ends only)")
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             self._fail("checkpoint_every", "must be at least 0 (0: checkpoint at epoch ends only)")
-        for name in ("max_steps", "num_threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                self._fail(name, "must be at least 1 (or unset)")
-        if self.num_threads is not None and self.num_threads > MAX_THREADS:
-            self._fail("num_threads", f"must be at most {MAX_THREADS:,} (or unset: torch's choice)")
+        if self.max_steps is not None and self.max_steps < 1:
+            self._fail("max_steps", "must be at least 1 (or unset)")
         if not self.lr > 0:
             self._fail("lr", "must be positive")
         if not self.weight_decay >= 0:
@@ -372,6 +364,7 @@ REMOVED_FIELDS = {
     ("model", "ngram_order"): None, ("model", "ngram_lr_scale"): None, ("model", "ngram_binary"): None,
     ("model", "ngram_own_loss"): None, ("model", "lazy_embeddings"): False, ("data", "val_block"): 1,
     ("data", "tokenizer"): "wordpiece", ("data", "lowercase"): True, ("data", "cache_dir"): None,
+    ("data", "head_fraction"): 0.25, ("train", "num_threads"): None,
     ("train", "beta1"): 0.9, ("train", "min_lr_ratio"): 0.0, ("train", "label_smoothing"): 0.0,
     ("train", "adversarial_eps"): 0.0, ("train", "virtual_adversarial_eps"): 0.0, ("train", "compile"): None,
     ("train", "calibrate"): None, ("train", "keep_checkpoints"): None, ("train", "max_bad_steps"): None,

@@ -157,7 +157,7 @@ def window_of(cfg: DataConfig) -> int | None:
 
 def encode_reviews(tokenizer, texts: list[str], cfg: DataConfig) -> Encoded:
     """Reviews encoded as the model reads them (truncated, or whole for windows), with no labels."""
-    ids, offsets = encode_texts(tokenizer, texts, read_length(cfg), cfg.truncation, cfg.head_fraction)
+    ids, offsets = encode_texts(tokenizer, texts, read_length(cfg), cfg.truncation)
     return Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from transformer_cli.data import PAD_ID, encode_texts, read_length, truncate, window_bounds
+from transformer_cli.data import HEAD_SHARE, PAD_ID, encode_texts, read_length, truncate, window_bounds
 from transformer_cli.errors import TfmError
 from transformer_cli.fileio import atomic_write_text
 
@@ -54,7 +54,7 @@ class Explained:
 
 def review_ids(tokenizer, texts: list[str], data_cfg) -> list[torch.Tensor]:
     """Each text's (T,) ids as the model reads them: [CLS] + its subword ids, truncated (or whole, for windows)."""
-    ids, offsets = encode_texts(tokenizer, texts, read_length(data_cfg), data_cfg.truncation, data_cfg.head_fraction)
+    ids, offsets = encode_texts(tokenizer, texts, read_length(data_cfg), data_cfg.truncation)
     return [torch.from_numpy(ids[a:b].astype(np.int64)) for a, b in itertools.pairwise(offsets)]
 
 
@@ -64,7 +64,7 @@ def review_spans(tokenizer, texts: list[str], data_cfg) -> list[list[tuple[int, 
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     if read_length(data_cfg) is None:  # windows: every piece
         return [e.offsets for e in encodings]
-    return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation, data_cfg.head_fraction)
+    return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation)
             for e in encodings]
 
 
@@ -75,12 +75,12 @@ def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg
     if read_length(data_cfg) is None:  # windows: nothing is cut
         return [None] * len(texts)
     limit = data_cfg.max_length - 1
-    head = limit if data_cfg.truncation == "head" else round(limit * data_cfg.head_fraction)
+    head = limit if data_cfg.truncation == "head" else round(limit * HEAD_SHARE)
     cuts: list[int | None] = []
     for text, row in zip(texts, ids):
         # a review that fills the model's length was cut if one more token would have been read
-        longer = len(row) - 1 == limit and encode_texts(tokenizer, [text], limit + 2, data_cfg.truncation,
-                                                        data_cfg.head_fraction)[1][1] > limit + 1
+        longer = len(row) - 1 == limit
+        longer = longer and encode_texts(tokenizer, [text], limit + 2, data_cfg.truncation)[1][1] > limit + 1
         cuts.append(head if longer else None)
     return cuts
 

@@ -29,7 +29,7 @@ import torch
 from transformer_cli import __version__
 from transformer_cli.calibration import softmax
 from transformer_cli.checkpoint import read_tokenizer
-from transformer_cli.data import CLS_ID, PAD_ID, Encoded, collate, encode_texts, length_batches, windows
+from transformer_cli.data import CLS_ID, HEAD_SHARE, PAD_ID, Encoded, collate, encode_texts, length_batches, windows
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import load_model_dir
 from transformer_cli.fileio import atomic_write_together, check_output_path
@@ -57,9 +57,8 @@ def export_onnx(model_dir: str | Path, output: str | Path) -> dict:
     proto = onnx.load_from_string(_trace(Calibrated(reference_model(model.model), temperature), cfg.data.max_length))
     d = cfg.data
     meta = {"labels": json.dumps(labels), "max_length": d.max_length, "truncation": d.truncation,
-            "long_text": d.long_text,
-            "head_fraction": d.head_fraction, "tokenizer": tokenizer_file.name, "cls_id": CLS_ID, "pad_id": PAD_ID,
-            "temperature": temperature, "version": __version__}
+            "long_text": d.long_text, "head_fraction": HEAD_SHARE, "tokenizer": tokenizer_file.name,
+            "cls_id": CLS_ID, "pad_id": PAD_ID, "temperature": temperature, "version": __version__}
     onnx.helper.set_model_props(proto, {f"tfm.{k}": str(v) for k, v in meta.items()})
     data = proto.SerializeToString()
     diff = _check(data, model, d.max_length)
@@ -173,7 +172,6 @@ class OnnxClassifier:
             meta = self.runner.get_modelmeta().custom_metadata_map
             self.labels = json.loads(meta["tfm.labels"])
             self.max_length, self.truncation = int(meta["tfm.max_length"]), meta["tfm.truncation"]
-            self.head_fraction = float(meta["tfm.head_fraction"])
             self.windowed = meta.get("tfm.long_text") == "windows"  # reviews read whole, in windows
             tokenizer_path = path.with_name(meta["tfm.tokenizer"])
         except (KeyError, ValueError) as e:
@@ -184,7 +182,7 @@ class OnnxClassifier:
 
     def encode(self, texts: list[str]) -> Encoded:
         length = None if self.windowed else self.max_length
-        ids, offsets = encode_texts(self.tokenizer, texts, length, self.truncation, self.head_fraction)
+        ids, offsets = encode_texts(self.tokenizer, texts, length, self.truncation)
         return Encoded(ids, offsets, np.zeros(len(texts), dtype=np.int64))
 
     def logits(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

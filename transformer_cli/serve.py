@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from transformer_cli import __version__
+from transformer_cli.data import HEAD_SHARE
 from transformer_cli.errors import TfmError, UsageError
 from transformer_cli.evaluate import Loaded, load_for_inference, predict_loaded, warm_up
 from transformer_cli.fileio import read_json
@@ -188,8 +189,7 @@ def model_metadata(model_dir: str | Path, loaded: Loaded, limits: Limits, worker
         "labels": labels,
         "model": {**dataclasses.asdict(cfg.model), "vocab_size": model.encoder.tok_emb.num_embeddings,
                   "num_params": model.num_params()},
-        "data": {"max_length": cfg.data.max_length, "truncation": cfg.data.truncation,
-                 "head_fraction": cfg.data.head_fraction},
+        "data": {"max_length": cfg.data.max_length, "truncation": cfg.data.truncation, "head_fraction": HEAD_SHARE},
         "device": str(rt.device),
         "compute_dtype": rt.precision,
         "temperature": temperature,  # the calibration that predictions divide the logits by

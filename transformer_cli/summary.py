@@ -78,7 +78,7 @@ def sample_ids(text: str, model: CTransformer, tokenizer=None, data_cfg=None) ->
     stand-in ids: the shapes depend only on how many there are."""
     max_length = model.encoder.max_length
     if tokenizer is not None:
-        ids, _ = encode_texts(tokenizer, [text], max_length, data_cfg.truncation, data_cfg.head_fraction)
+        ids, _ = encode_texts(tokenizer, [text], max_length, data_cfg.truncation)
         return torch.from_numpy(ids.astype(np.int64))[None]
     from tokenizers.pre_tokenizers import BertPreTokenizer
 

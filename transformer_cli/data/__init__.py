@@ -36,6 +36,7 @@ from transformer_cli.data.splits import (
 )
 from transformer_cli.data.text import (
     CONTINUATION,
+    HEAD_SHARE,
     Encoded,
     cache_key,
     cached_encode,

@@ -55,7 +55,7 @@ def data_report(cfg: Config, report_dir: str | Path | None = None) -> dict:
               "max_length": d.max_length, "vocab_size": tok.get_vocab_size(), "splits": {}}
     lengths = {}
     for name, s in splits.items():
-        _, offsets = encode_texts(tok, s.texts, None, d.truncation, d.head_fraction)
+        _, offsets = encode_texts(tok, s.texts, None, d.truncation)
         lengths[name] = np.diff(offsets)  # as training encodes them, [CLS] included
         limit = (d.train_max_length or d.max_length) if name == "train" else d.max_length
         stats = {"examples": len(s), "empty": int((keys[name] == empty).sum()),

@@ -136,26 +136,29 @@ def cached_tokenizer(texts: Iterable[str], n: int, cfg: DataConfig, fingerprint:
 # --------------------------------------------------------------------------- encoding
 
 
-def truncate(ids: list[int], limit: int, strategy: str, head_fraction: float) -> list[int]:
+HEAD_SHARE = 0.25  # head_tail truncation: the share of a cut review taken from its start, the rest from its end
+
+
+def truncate(ids: list[int], limit: int, strategy: str) -> list[int]:
     if len(ids) <= limit:
         return ids
     if strategy == "head":
         return ids[:limit]
-    head = round(limit * head_fraction)
+    head = round(limit * HEAD_SHARE)
     return ids[:head] + ids[len(ids) - (limit - head) :]
 
 
 ENCODE_CHUNK = 4096  # texts encoded at a time: memory stays bounded on any number of texts
 
 
-def encode_texts(tokenizer, texts: list[str], max_length: int | None, truncation: str, head_fraction: float):
+def encode_texts(tokenizer, texts: list[str], max_length: int | None, truncation: str):
     """(flat int32 ids, (N + 1,) offsets): each text as [CLS] + its subword ids, truncated to `max_length` tokens
     (None: whole). Special tokens' text in a review ("[PAD]", "[CLS]") is encoded as words, not as those ids."""
     tokenizer.encode_special_tokens = True
     limit, rows = (max_length or 0) - 1, []
     for start in range(0, len(texts), ENCODE_CHUNK):
         for e in tokenizer.encode_batch_fast(texts[start : start + ENCODE_CHUNK], add_special_tokens=False):
-            kept = e.ids if max_length is None else truncate(e.ids, limit, truncation, head_fraction)
+            kept = e.ids if max_length is None else truncate(e.ids, limit, truncation)
             rows.append(np.array([CLS_ID, *kept], dtype=np.int32))
     offsets = np.cumsum([0, *map(len, rows)], dtype=np.int64)
     return (np.concatenate(rows) if rows else np.zeros(0, dtype=np.int32)), offsets
@@ -167,7 +170,7 @@ def read_length(cfg: DataConfig) -> int | None:
 
 
 def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -> Encoded:
-    key = cache_key(fingerprint, tokenizer.to_str(), read_length(cfg), cfg.truncation, cfg.head_fraction,
+    key = cache_key(fingerprint, tokenizer.to_str(), read_length(cfg), cfg.truncation,
                     ENCODING_VERSION)
     path = cache_dir() / f"encoded-{key}.npz"
     damaged = (OSError, ValueError, KeyError, zipfile.BadZipFile)  # an entry made again
@@ -175,7 +178,7 @@ def cached_encode(tokenizer, raw: RawSplit, cfg: DataConfig, fingerprint: str) -
         with contextlib.suppress(*damaged), np.load(path, allow_pickle=False) as z:
             if len(z["offsets"]) == len(raw) + 1:
                 return Encoded(z["ids"], z["offsets"], raw.labels)
-    ids, offsets = encode_texts(tokenizer, raw.texts, read_length(cfg), cfg.truncation, cfg.head_fraction)
+    ids, offsets = encode_texts(tokenizer, raw.texts, read_length(cfg), cfg.truncation)
     buf = io.BytesIO()
     np.savez(buf, ids=ids, offsets=offsets)
     with contextlib.suppress(OSError):

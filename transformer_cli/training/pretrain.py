@@ -149,7 +149,7 @@ def prepare_corpus(cfg: Config, tokenizer=None) -> Corpus:
         raise TfmError(f"'{d.source}' has no words: its texts gave a vocabulary of the special tokens alone "
                        f"({', '.join(SPECIAL_TOKENS)}); pretrain on a corpus of text")
     folder = cache_dir()
-    key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, d.head_fraction, CORPUS_VERSION)
+    key = cache_key(fingerprint, tokenizer.to_str(), d.max_length, d.truncation, CORPUS_VERSION)
     texts = load_token_file(folder / f"corpus-{key}", n)
     if texts is None:
         texts = write_token_file(folder / f"corpus-{key}", tokenizer, chunks(), cfg)
@@ -172,7 +172,7 @@ def write_token_file(folder: Path, tokenizer, chunks: Iterator[list[str]], cfg: 
         total = 0
         with open(tmp / "ids.bin", "wb") as f:
             for texts in chunks:
-                ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation, d.head_fraction)
+                ids, offsets = encode_texts(tokenizer, texts, d.max_length, d.truncation)
                 f.write(ids.astype(np.int32).tobytes())
                 ends.append(offsets[1:] + total)
                 total += int(offsets[-1])

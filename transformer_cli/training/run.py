@@ -41,7 +41,7 @@ from transformer_cli.training.loop import (
 )
 
 RESUME_FREE = {f"train.{k}" for k in ("output_dir", "log_every", "eval_batch_size", "test_at_end", "checkpoint_every",
-                                      "device", "num_threads")}
+                                      "device")}
 
 
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -122,8 +122,6 @@ def begin(tc: TrainConfig, rt: Runtime, resume: bool | str, pretraining: bool = 
     if resume_dir is not None:
         check_run_kind(resume_dir.parent.parent, pretraining)
     check_batch_size(tc, rt)
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
     seed_everything(tc.seed)
     return resume_dir
 
