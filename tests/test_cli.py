@@ -255,10 +255,11 @@ def test_evaluate_text_report(cli_run):
     assert lines[4].split() == ["class", "precision", "recall", "f1", "support"]
     for line, name in zip(lines[5:7], ("neg", "pos")):
         c = m["per_class"][name]
-        assert line.split() == [name, f"{c['precision']:.4f}", f"{c['recall']:.4f}", f"{c['f1']:.4f}", str(c["support"])]
+        assert line.split() == [name, *(f"{c[k]:.4f}" for k in ("precision", "recall", "f1")), str(c["support"])]
     (tn, fp), (fn, tp) = m["confusion_matrix"]
     assert lines[7] == "  confusion (rows: true, columns: predicted)"
-    assert [line.split() for line in lines[8:11]] == [["neg", "pos"], ["neg", str(tn), str(fp)], ["pos", str(fn), str(tp)]]
+    table = [["neg", "pos"], ["neg", str(tn), str(fp)], ["pos", str(fn), str(tp)]]
+    assert [line.split() for line in lines[8:11]] == table
     assert lines[11:] == [f"  ece        {m['ece']:.4f} (temperature {m['temperature']:.3f})"]
 
 
@@ -405,7 +406,8 @@ def test_unusual_reviews(cli_run, text):
     ([{"review": "good", "label": 1}] * 4, 1, "no column 'text'"),
     ([{"text": "good", "label": "pos"}] * 4 + [{"text": "so-so", "label": "mixed"}], 1,
      "class 'mixed' has no examples in the validation part"),
-    ([{"text": "good", "label": 1}, {"text": "bad", "label": 1.5}] * 2, 1, "labels must be integers or class names (text)"),
+    ([{"text": "good", "label": 1}, {"text": "bad", "label": 1.5}] * 2, 1,
+     "labels must be integers or class names (text)"),
     ([{"text": "good", "label": ["pos", "funny"]}] * 4, 1, "a list: multi-label data is not supported"),
     ([{"text": "good", "stars": 1}] * 4, 1, "no column 'label'"),
 ], ids=["no-text-column", "a-class-too-small-to-validate-on", "a-fraction", "list-labels", "no-label-column"])

@@ -15,7 +15,8 @@ from conftest import REPO
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def run_tfm(*args: str, env: dict | None = None, code: str = "", under_bash: bool = False) -> subprocess.CompletedProcess:
+def run_tfm(*args: str, env: dict | None = None, code: str = "",
+            under_bash: bool = False) -> subprocess.CompletedProcess:
     """`tfm ARGS` in a fresh Python (as the console script runs it); `code` runs at its exit. `under_bash`:
     as a child of bash, since typer finds the user's shell among the process's ancestors (shellingham),
     which a test runner need not have."""

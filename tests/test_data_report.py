@@ -40,7 +40,8 @@ def test_planted_duplicates_and_conflicting_labels_are_counted_exactly(tmp_path)
     val = rows([film(i) for i in range(100, 110)])
     val += [val[0], {"text": "  Film 3 was great ", "label": 1}]
     test = rows([film(i) for i in range(200, 210)])
-    test += [train[4], {"text": "Film 5 was<br /><br />great", "label": 0}, val[1], {"text": "<br /><br />", "label": 0}]
+    test += [train[4], {"text": "Film 5 was<br /><br />great", "label": 0}, val[1],
+             {"text": "<br /><br />", "label": 0}]
     unlabelled = rows([film(i) for i in range(300, 305)], [-1] * 5)
     unlabelled += [{**test[0], "label": -1}, {**train[6], "label": -1}, unlabelled[0]]
     r = report_of("--data", named(tmp_path, train=train, validation=val, test=test, unsupervised=unlabelled))

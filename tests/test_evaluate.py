@@ -73,7 +73,8 @@ def test_evaluate_data_whose_columns_are_named_otherwise(trained_dir, test_rows,
 
     same = evaluate_checkpoint(trained_dir, data=str(write_jsonl(tmp_path / "a.jsonl", test_rows[:30])), split="train",
                                device="cpu")
-    renamed = write_jsonl(tmp_path / "b.jsonl", [{"review": r["text"], "sentiment": r["label"]} for r in test_rows[:30]])
+    rows = [{"review": r["text"], "sentiment": r["label"]} for r in test_rows[:30]]
+    renamed = write_jsonl(tmp_path / "b.jsonl", rows)
     assert_fails_cleanly(tfm("evaluate", "-c", trained_dir, "--data", renamed, "--split", "train"), 1,
                          "no column 'text' or 'label'", "--text-column / --label-column")
     result = tfm("evaluate", "-c", trained_dir, "--data", renamed, "--split", "train", "--device", "cpu", "--json",

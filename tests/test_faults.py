@@ -488,8 +488,9 @@ def test_sigkill_at_random_moments_never_breaks_the_latest_checkpoint(zygote, sy
             start = max(start, highest_step_started(out))
         if out is None or start + 2 > KILL_BY:
             out, start = tmp_path / f"run{trial}", 0
-        args = [*train_args(synthetic_data_dir, out, command=command), "--max-steps", str(KILL_STEPS), "train.checkpoint_every=1",
-                "train.log_every=1", *(["--resume"] if (out / ckpt.CKPT_DIR).is_dir() else [])]
+        args = [*train_args(synthetic_data_dir, out, command=command), "--max-steps", str(KILL_STEPS),
+                "train.checkpoint_every=1", "train.log_every=1",
+                *(["--resume"] if (out / ckpt.CKPT_DIR).is_dir() else [])]
         # Kill once the checkpoint of step `wait_for` has started (so step-(wait_for - 1) is complete and
         # training is under way), after a further random delay of 0-2 step durations (as measured in this
         # trial, so the kill lands at a random phase of a step on any machine, often inside a checkpoint write).

@@ -113,8 +113,8 @@ def test_the_output_layer_shares_the_token_embedding():
     model = MaskedLM(ModelConfig(d_model=16, n_heads=2, n_layers=1), VOCAB, 32)
     names = [n for n, _ in model.named_parameters()]
     assert "encoder.tok_emb.weight" in names and not any("decoder" in n for n in names)
-    assert {n for n in names if n.startswith("lm_head.")} == {"lm_head.bias", *(f"lm_head.transform.{i}.{w}"
-                                                                                for i in (0, 2) for w in ("weight", "bias"))}
+    transform = {f"lm_head.transform.{i}.{w}" for i in (0, 2) for w in ("weight", "bias")}
+    assert {n for n in names if n.startswith("lm_head.")} == {"lm_head.bias", *transform}
 
 
 @pytest.mark.parametrize("n", [1, 64, 130])
@@ -238,7 +238,8 @@ def test_the_token_file_written_in_small_chunks_is_memory_mapped_and_equals_enco
     assert isinstance(corpus.texts.ids, np.memmap)  # read from disk as batches need it, never loaded whole
     assert np.array_equal(corpus.texts.offsets, offsets)
     assert np.array_equal(np.asarray(corpus.texts.ids), ids)
-    assert len(corpus.val_idx) == cfg.pretrain.val_texts and len(corpus.train_idx) == len(texts) - cfg.pretrain.val_texts
+    held_out = cfg.pretrain.val_texts
+    assert len(corpus.val_idx) == held_out and len(corpus.train_idx) == len(texts) - held_out
     assert not set(corpus.val_idx) & set(corpus.train_idx)
 
 
@@ -365,15 +366,16 @@ def test_the_cli_refuses_classifier_settings_in_one_line_and_writes_nothing(synt
 
 @pytest.mark.parametrize(("command", "override"), [
     ("train", "pretrain.mask_prob=0.3"), ("train", "pretrain.window=32"),
-    ("pretrain", "model.pooling=mean"), ("pretrain", "model.token_dropout=0.1"), ("pretrain", "train.eval_batch_size=8"),
+    ("pretrain", "model.pooling=mean"), ("pretrain", "model.token_dropout=0.1"),
+    ("pretrain", "train.eval_batch_size=8"),
 ])
 def test_an_override_the_command_would_not_use_is_refused(synthetic_data_dir, tmp_path, command, override):
     from typer.testing import CliRunner
 
     from transformer_cli.cli import app
 
-    result = CliRunner().invoke(app, [command, "--config", str(CONFIGS / "tiny.toml"), "--data", str(synthetic_data_dir),
-                                      "-o", str(tmp_path / "run"), override])
+    result = CliRunner().invoke(app, [command, "--config", str(CONFIGS / "tiny.toml"),
+                                      "--data", str(synthetic_data_dir), "-o", str(tmp_path / "run"), override])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"tfm: error: {override.split('=')[0]} is ")
     assert f"`tfm {command}` does not use it: drop the override" in result.stderr
@@ -555,10 +557,12 @@ def test_fine_tuning_takes_the_encoders_sizes_and_refuses_contradicting_ones(pre
     out, _ = pretrained
     cfg = tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out))
     assert cfg.model.d_model == 32 and cfg.data.vocab_size == 500  # from the encoder's config.json
-    changes = {"model.d_model": 64, "data.vocab_size": 900, "data.max_length": 2 * cfg.data.max_length}  # learned positions: a table of max_length rows
+    # learned positions: a table of max_length rows
+    changes = {"model.d_model": 64, "data.vocab_size": 900, "data.max_length": 2 * cfg.data.max_length}
     for key, value in changes.items():
         with pytest.raises(UsageError, match=f"{key} = .* contradicts the pretrained encoder"):
-            tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out), **{key.replace(".", "__"): value})
+            tiny_config(synthetic_data_dir, tmp_path / "ft", train__init_from=str(out),
+                        **{key.replace(".", "__"): value})
 
 
 def test_fine_tuning_keeps_a_rope_encoders_positions(synthetic_data_dir, tmp_path):

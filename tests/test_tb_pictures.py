@@ -132,7 +132,8 @@ def test_attention_title_gives_the_probability_tfm_predict_prints(model_dir, mon
     d = cfg.data
     for text in texts:
         ids, offsets = encode_texts(tokenizer, [text], d.max_length, d.truncation)
-        tb_pictures.log_attention(writer, 1, model, Encoded(ids, offsets, np.array([1])), labels, tokenizer, temperature)
+        review = Encoded(ids, offsets, np.array([1]))
+        tb_pictures.log_attention(writer, 1, model, review, labels, tokenizer, temperature)
     assert writer.tags == ["val/attention"] * 2
     p = predict_texts(model_dir, texts[:1], device="cpu")[0]
     assert titles[0] == f"true pos, predicted {p['label']} ({p['score']:.3f})"

@@ -481,7 +481,8 @@ def test_a_checkpoint_of_an_older_version_resumes_unless_a_setting_it_had_change
     state["config"]["data"]["cache_dir"] = "/elsewhere"
     (first / "trainer.json").write_text(json.dumps(state))
     smoothed = Path(shutil.copytree(first, tmp_path / "smoothed"))
-    assert train(tiny_config(synthetic_data_dir, out), resume=str(first), progress=False)["steps"] == trained_run[1]["steps"]
+    resumed = train(tiny_config(synthetic_data_dir, out), resume=str(first), progress=False)
+    assert resumed["steps"] == trained_run[1]["steps"]
     state["config"]["train"]["label_smoothing"] = 0.1
     (smoothed / "trainer.json").write_text(json.dumps(state))
     with pytest.raises(TfmError, match=r"was made with train.label_smoothing = 0.1, which this version of tfm no "
@@ -569,7 +570,8 @@ def test_a_model_beside_no_config_of_a_tfm_run_is_never_replaced(tiny_cfg, confi
     files = {name: text for name, text in files.items() if text is not None}
     for name, text in files.items():
         (out / name).write_text(text)
-    with pytest.raises(UsageError, match=r"holds a model.safetensors that is no tfm run's .*choose another --output-dir$"):
+    no_run = r"holds a model.safetensors that is no tfm run's .*choose another --output-dir$"
+    with pytest.raises(UsageError, match=no_run):
         train(tiny_cfg, progress=False)
     assert {p.name: p.read_text() for p in out.iterdir()} == files
 

@@ -54,7 +54,8 @@ def test_evaluation_averages_the_logits_of_every_window(trained_dir):
 @pytest.fixture(scope="module")
 def windowed_run(synthetic_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("windowed") / "run"
-    metrics = train(tiny_config(synthetic_data_dir, out, data__long_text="windows", data__max_length=16), progress=False)
+    cfg = tiny_config(synthetic_data_dir, out, data__long_text="windows", data__max_length=16)
+    metrics = train(cfg, progress=False)
     return out, metrics
 
 

@@ -92,15 +92,18 @@ def _classifier_body(out: Path, cfg: Config, meta: dict, metrics: dict, test: di
              + (f" Started from the pretrained encoder `{cfg.train.init_from}`." if cfg.train.init_from else ""), "",
              "```bash", reproducing_command(cfg, pretrained=False), "```", "",
              (f"{metrics['steps']:,} steps of {cfg.train.batch_size} examples at peak learning rate {cfg.train.lr:g} "
-             f"({cfg.train.schedule} schedule), weight decay {cfg.train.weight_decay:g}, dropout {cfg.model.dropout:g}, "
-             f"word dropout {cfg.model.token_dropout:g}, {metrics['precision']} on {metrics['device']}, "
-             f"{metrics['train_time_sec']:.0f} s."), "", "## Results", "", "| split | accuracy | macro-F1 | ECE |",
-             "|---|---|---|---|", (f"| validation | {val['accuracy']:.4f} | {val['macro_f1']:.4f} | "
-             f"{cal.get('ece_after', val.get('ece', float('nan'))):.4f} |")]
+             f"({cfg.train.schedule} schedule), weight decay {cfg.train.weight_decay:g}, "
+             f"dropout {cfg.model.dropout:g}, word dropout {cfg.model.token_dropout:g}, "
+             f"{metrics['precision']} on {metrics['device']}, {metrics['train_time_sec']:.0f} s."),
+             "", "## Results", "", "| split | accuracy | macro-F1 | ECE |", "|---|---|---|---|",
+             (f"| validation | {val['accuracy']:.4f} | {val['macro_f1']:.4f} | "
+              f"{cal.get('ece_after', val.get('ece', float('nan'))):.4f} |")]
     if test is not None:
-        lines.append(f"| test | {test['accuracy']:.4f} | {test['macro_f1']:.4f} | {test.get('ece', float('nan')):.4f} |")
-    lines += ["", f"Probabilities are calibrated by temperature {cal.get('temperature', 1.0):.3f}, fitted on validation.",
-              "", "| class | precision | recall | F1 | support |", "|---|---|---|---|---|"]
+        ece = test.get("ece", float("nan"))
+        lines.append(f"| test | {test['accuracy']:.4f} | {test['macro_f1']:.4f} | {ece:.4f} |")
+    temperature = cal.get("temperature", 1.0)
+    lines += ["", f"Probabilities are calibrated by temperature {temperature:.3f}, fitted on validation.", "",
+              "| class | precision | recall | F1 | support |", "|---|---|---|---|---|"]
     per_class = (test or val)["per_class"]
     lines += [f"| {name} | {c['precision']:.4f} | {c['recall']:.4f} | {c['f1']:.4f} | {c['support']} |"
               for name, c in per_class.items()]

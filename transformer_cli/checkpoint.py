@@ -30,7 +30,8 @@ from transformer_cli.fileio import (
     write_json,
 )
 
-MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE = "model.safetensors", "config.json", "tokenizer.json", "metrics.json"
+MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+TOKENIZER_FILE, METRICS_FILE = "tokenizer.json", "metrics.json"
 CKPT_DIR, COMPLETE = "checkpoints", "COMPLETE"
 BEST_FILE = "best.safetensors"  # in a checkpoint: the output's model (the best so far) when it was written
 
@@ -95,7 +96,8 @@ def read_tokenizer(path: Path):
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception for a damaged file)
-        raise TfmError(f"tokenizer '{path}' is unreadable ({e}); write it again with the command that made it") from None
+        why = f"tokenizer '{path}' is unreadable ({e}); write it again with the command that made it"
+        raise TfmError(why) from None
 
 
 def refuse_pretrained_encoder(folder: Path, meta: object = None, then: str = "") -> None:

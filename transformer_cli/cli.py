@@ -146,6 +146,8 @@ def _root(
 
 Ckpt = Annotated[Path, typer.Option("--checkpoint", "-c", help="Output directory of `tfm train`.")]
 Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+InputFile = Annotated[str | None, typer.Option("--file", "-f",
+                                               help="Read one review per line from PATH ('-' = stdin).")]
 InferPrecision = Annotated[str | None, typer.Option(
     help="auto, fp32, bf16 or fp16; default: fp32 for a run trained in fp32, else auto.", show_default=False)]
 IgSteps = Annotated[int | None, typer.Option(
@@ -156,7 +158,8 @@ IgSteps = Annotated[int | None, typer.Option(
 
 # Options of the two training commands, `tfm train` and `tfm pretrain`.
 Overrides = Annotated[list[str] | None, typer.Argument(
-    help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.", show_default=False)]
+    help="Config overrides SECTION.FIELD=VALUE (TOML values), e.g. model.n_layers=4 train.lr=3e-4.",
+    show_default=False)]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", help="TOML recipe (see configs/); default: the built-in defaults.", show_default=False)]
 Data = Annotated[str | None, typer.Option(
@@ -172,7 +175,8 @@ BatchSize = Annotated[int | None, typer.Option("--batch-size", help="Examples pe
 Lr = Annotated[float | None, typer.Option("--lr", help="Peak learning rate.", show_default=False)]
 Seed = Annotated[int | None, typer.Option("--seed", help="Seed for the split, init, dropout and batching.",
                                           show_default=False)]
-TrainDevice = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.", show_default=False)]
+TrainDevice = Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N or mps.",
+                                                 show_default=False)]
 Precision = Annotated[str | None, typer.Option("--precision", help="auto, fp32, bf16 or fp16.", show_default=False)]
 MaxTrainSamples = Annotated[int | None, typer.Option("--max-train-samples", help="Train on this many examples.",
                                                      show_default=False)]
@@ -231,7 +235,8 @@ def train(
     test: Annotated[bool, typer.Option("--test", help="Evaluate the best model on the test split at the end.")] = False,
     resume: Resume = False, resume_from: ResumeFrom = None, force: Force = False, progress: Progress = True,
 ) -> None:
-    """Train a classifier and write OUTPUT_DIR (model.safetensors, config.json, tokenizer.json, metrics.json, events)."""
+    """Train a classifier and write OUTPUT_DIR (model.safetensors, config.json, tokenizer.json, metrics.json,
+    events)."""
     options = _common_options(data, output_dir, epochs, max_steps, batch_size, lr, seed, device, precision,
                               max_train_samples)
     options.update({"data.max_eval_samples": max_eval_samples, "train.test_at_end": True if test else None,
@@ -344,8 +349,9 @@ def data_(
 def predict(
     texts: Annotated[list[str] | None, typer.Argument(help="Reviews to classify.", show_default=False)] = None,
     checkpoint: Ckpt = Path("runs/tfm"),
-    file: Annotated[str | None, typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per input line: label, score, probabilities.")] = False,
+    file: InputFile = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="One JSON object per input line: label, score, probabilities.")] = False,
     device: Device = "auto",
     batch_size: Annotated[int, typer.Option(min=1, help="Reviews per forward pass.")] = 64,
     precision: InferPrecision = None,
@@ -386,10 +392,12 @@ def _explanations(checkpoint: Path, inputs: list[str], results: list[dict], devi
 @app.command()
 def evaluate(
     checkpoint: Ckpt = Path("runs/tfm"),
-    data: Annotated[str | None, typer.Option(help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
+    data: Annotated[str | None, typer.Option(
+        help="Dataset to evaluate on; default: the one the model was trained on.", show_default=False)] = None,
     split: Annotated[str, typer.Option(
         help="Split to evaluate; 'validation' is what the run validated on.")] = "test",
-    max_samples: Annotated[int | None, typer.Option(min=1, help="Evaluate a seeded random subset of this size.")] = None,
+    max_samples: Annotated[int | None, typer.Option(
+        min=1, help="Evaluate a seeded random subset of this size.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the metrics as one JSON object.")] = False,
     device: Device = "auto",
     batch_size: Annotated[int | None, typer.Option(min=1, help="Reviews per forward pass.")] = None,
@@ -499,7 +507,7 @@ def serve(
 def explain_reviews(
     texts: Annotated[list[str] | None, typer.Argument(help="Reviews to explain.", show_default=False)] = None,
     checkpoint: Ckpt = Path("runs/tfm"),
-    file: Annotated[str | None, typer.Option("--file", "-f", help="Read one review per line from PATH ('-' = stdin).")] = None,
+    file: InputFile = None,
     html: Annotated[Path, typer.Option("--html", help="Write the page here (one self-contained HTML file).")] = ...,
     device: Device = "auto",
     ig_steps: IgSteps = None,
@@ -535,7 +543,8 @@ def inspect_model(
                                               "default: all of it.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: dims, layers, total.")] = False,
 ) -> None:
-    """The model layer by layer for one review: input and output shapes (B, T, C, H, Dh), parameters, FLOPs per token."""
+    """The model layer by layer for one review: input and output shapes (B, T, C, H, Dh), parameters, FLOPs per
+    token."""
     if (checkpoint is None) == (config is None and not overrides):
         raise UsageError("pass -c DIR (a trained model) or --config FILE [SECTION.FIELD=VALUE ...] (a recipe's "
                          "sizes), one of the two")

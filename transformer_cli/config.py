@@ -93,7 +93,8 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def _wants_float(tp: Any) -> bool:
     if tp is float:
         return True
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and float in typing.get_args(tp) and int not in typing.get_args(tp)
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and float in args and int not in args
 
 
 def _type_name(tp: Any) -> str:
@@ -393,7 +394,8 @@ def _check_sections(d: dict[str, Any]) -> None:
         if key not in SECTIONS:
             raise UsageError(f"unknown config section '{key}'; valid sections: {SECTION_NAMES}")
         if not isinstance(value, dict):
-            raise UsageError(f"config key '{key}' must be a [{key}] table; put fields under [model], [data], [train] or [pretrain]")
+            raise UsageError(f"config key '{key}' must be a [{key}] table; put fields under [model], [data], "
+                             "[train] or [pretrain]")
 
 
 def parse_value(text: str) -> Any:
@@ -436,7 +438,8 @@ def read_toml(path: str | Path, what: str | None = None) -> dict[str, Any]:
         with path.open("rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise UsageError(f"{where} does not exist" + ("" if what else "; see configs/ for the shipped recipes")) from None
+        hint = "" if what else "; see configs/ for the shipped recipes"
+        raise UsageError(f"{where} does not exist{hint}") from None
     except IsADirectoryError:
         raise UsageError(f"{where} is a directory; pass a .toml file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -512,7 +515,8 @@ CLASSIFIER_ONLY = {
     "data.val_split": _HELD_OUT, "data.val_size": _HELD_OUT,
     "data.max_eval_samples": "the classifier's validation and test sets",
     "data.train_max_length": "the classifier's training reviews; pretraining cuts windows of pretrain.window tokens",
-    "data.pseudo_labels": "pseudo-labelled training reviews", "data.pseudo_min_score": "pseudo-labelled training reviews",
+    "data.pseudo_labels": "pseudo-labelled training reviews",
+    "data.pseudo_min_score": "pseudo-labelled training reviews",
     "train.test_at_end": "the test split, which pretraining never reads",
     "train.init_from": "a classifier's start from a pretrained encoder; pretraining starts from random weights",
     "train.class_weights": "the classes' weights in the classifier's loss; pretraining predicts tokens",
@@ -553,7 +557,8 @@ def with_encoder_of(d: dict[str, Any]) -> dict[str, Any]:
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise TfmError(f"--init-from '{init}' has no config.json; pass the output directory of `tfm pretrain`") from None
+        why = f"--init-from '{init}' has no config.json; pass the output directory of `tfm pretrain`"
+        raise TfmError(why) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TfmError(f"'{path}' is unreadable ({e}); pretrain again") from None
     if not isinstance(saved, dict) or saved.get("format_version") != FORMAT_VERSION:

@@ -217,7 +217,8 @@ def load_model_dir(path: str | Path, device="cpu") -> ModelDir:
     temperature = temperature_of(meta, str(out / CONFIG_FILE))
     tokenizer = read_tokenizer(out / TOKENIZER_FILE)
     if tokenizer.get_vocab_size() != vocab_size:
-        raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says {vocab_size}")
+        raise TfmError(f"tokenizer in '{out}' has {tokenizer.get_vocab_size()} tokens but config.json says "
+                       f"{vocab_size}")
     model = CTransformer(cfg.model, vocab_size, cfg.data.max_length, len(labels))
     load_weights(model, out / MODEL_FILE)
     # aminmax carries a NaN or inf through to its result, and reads each tensor faster than isfinite().all().

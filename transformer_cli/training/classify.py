@@ -81,7 +81,7 @@ class Classification:
     def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
         m, self.val_logits = evaluate_scaled(run.model, self.val, run.rt, self.eval_batch_size, len(self.labels),
                                              self.labels, window=self.window)
-        tags = {"val/loss": m["loss"], "val/accuracy": m["accuracy"], "val/macro_f1": m["macro_f1"], "val/ece": m["ece"]}
+        tags = {f"val/{k}": m[k] for k in ("loss", "accuracy", "macro_f1", "ece")}
         return m, tags, selection_score(m, self.select_metric)
 
 

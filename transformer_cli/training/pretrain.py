@@ -297,8 +297,9 @@ class PretrainingTask:
 
 
 class MaskedLanguageModelling(PretrainingTask):
-    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM). Validated on the held-out texts with
-    the same masks and samples every time, so that its figures compare across steps.
+    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM).
+    Validated on the held-out texts with the same masks and samples every time, so that its figures compare across
+    steps.
 
     With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
     mostly on 128-token sequences: attention costs less per token, and each window keeps its

@@ -59,7 +59,8 @@ def run_config(folder: Path) -> dict | None:
         meta = read_json(folder / ckpt.CONFIG_FILE, "config")
     except (TfmError, OSError):
         return None
-    ours = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION and isinstance(meta.get("train"), dict)
+    ours = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION
+    ours = ours and isinstance(meta.get("train"), dict)
     return meta if ours else None
 
 
