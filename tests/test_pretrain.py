@@ -668,7 +668,7 @@ def test_the_figures_are_means_over_every_predicted_token_of_a_step_or_of_the_he
 
     run.model.eval()
     held_out, _, _ = run.task.evaluate(run)
-    expected = pooled(tensors for tensors, _, _ in run.task.held_out(torch.Generator().manual_seed(0)))
+    expected = pooled(run.task.held_out(torch.Generator().manual_seed(0)))
     assert {k: held_out[k] for k in expected} == pytest.approx(expected, rel=1e-6)
     order = np.argsort(run.task.lengths)  # a batch of short windows and one of long ones
     torch.manual_seed(0)

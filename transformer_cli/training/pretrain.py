@@ -248,64 +248,16 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, p: float, vocab_size: int
     return masked, picked, targets
 
 
-class PretrainingTask:
-    """What the pretraining tasks share (train.Task): their tags, a loss that is the model's own, and
-    validation on the held-out texts, batch by batch as `held_out` gives them, with the same random
-    draws every time, so that its figures compare across steps."""
-
-    prefix = "pretrain"
-    select_metric: str
-    count_name: str  # the metrics' name for how many units the held-out figures are means over
-
-    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = engine(*batch.tensors)
-        return loss, {"loss": loss.detach(), **stats}
-
-    def log_pictures(self, writer, step: int, metrics: dict, data_cfg) -> None:
-        pass  # the classifier's pictures only
-
-    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
-        """(the model's tensors, the units its figures are means over, real tokens) of each held-out batch."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
-        model, rt = run.model, run.rt
-        was_training = model.training
-        model.eval()
-        sums: dict[str, float] = {}
-        count = real = 0
-        # drawn from a fixed seed, on a copy of the RNG state: training's draws go on as if there had been none
-        gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
-        with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
-            torch.manual_seed(0)
-            try:
-                for tensors, n, tokens in self.held_out(torch.Generator().manual_seed(0)):
-                    with rt.autocast():
-                        loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
-                    for name, value in {"loss": loss, **stats}.items():  # each batch's means weighted by their units
-                        sums[name] = sums.get(name, 0.0) + value.item() * n
-                    count, real = count + n, real + tokens
-            finally:
-                model.train(was_training)
-        if count == 0:
-            raise TfmError("the held-out texts give the objective nothing to predict; hold out more texts with "
-                           "pretrain.val_texts")
-        m = {name: total / count for name, total in sums.items()}
-        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
-        return {**m, self.count_name: count}, tags, selection_score(m, self.select_metric)
-
-
-class MaskedLanguageModelling(PretrainingTask):
-    """The pretraining task: mask tokens of the training texts, for the model to predict them (MaskedLM).
-    Validated on the held-out texts with the same masks and samples every time, so that its figures compare across
-    steps.
+class MaskedLanguageModelling:
+    """The pretraining task (train.Task): mask tokens of the training texts, for the model to predict them
+    (MaskedLM, whose loss is the task's). Validated on the held-out texts with the same masks and samples every
+    time, so that its figures compare across steps.
 
     With `pretrain.window`, the examples are windows of the texts (`cut_windows`), as BERT trains
     mostly on 128-token sequences: attention costs less per token, and each window keeps its
     positions in its text, so the whole position table trains. The held-out texts are cut alike."""
 
-    count_name = "num_predicted"
+    prefix = "pretrain"
 
     def __init__(self, corpus: Corpus, pc: PretrainConfig, vocab_size: int, select_metric: str = "loss"):
         windows, self.starts, text = cut_windows(corpus.texts, pc.window)
@@ -337,10 +289,45 @@ class MaskedLanguageModelling(PretrainingTask):
         tensors, tokens = self._masked(self.texts, self.train_idx[idx], self.starts)
         return Batch(rt.tensors(*(t.numpy() for t in tensors)), len(tensors[3]), len(idx), tokens)
 
-    def held_out(self, generator: torch.Generator) -> Iterator[tuple[tuple[torch.Tensor, ...], int, int]]:
+    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = engine(*batch.tensors)
+        return loss, {"loss": loss.detach(), **stats}
+
+    def log_pictures(self, writer, step: int, metrics: dict, data_cfg) -> None:
+        pass  # the classifier's pictures only
+
+    def held_out(self, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The model's tensors of each held-out batch."""
         for idx in length_batches(self.val.lengths, VAL_BATCH, 16384):
-            tensors, tokens = self._masked(self.val, idx, self.val_starts, generator)
-            yield tensors, len(tensors[3]), tokens
+            yield self._masked(self.val, idx, self.val_starts, generator)[0]
+
+    @torch.no_grad()
+    def evaluate(self, run: Run) -> tuple[dict, dict[str, float], float]:
+        model, rt = run.model, run.rt
+        was_training = model.training
+        model.eval()
+        sums: dict[str, float] = {}
+        count = 0
+        # drawn from a fixed seed, on a copy of the RNG state: training's draws go on as if there had been none
+        gpu = rt.device.type in ("cuda", "mps")  # torch.manual_seed below reseeds the GPU's generator too
+        with torch.random.fork_rng(devices=[rt.device] if gpu else [], device_type=rt.device.type if gpu else None):
+            torch.manual_seed(0)
+            try:
+                for tensors in self.held_out(torch.Generator().manual_seed(0)):
+                    n = len(tensors[3])  # the tokens to predict: each batch's means are weighted by them
+                    with rt.autocast():
+                        loss, stats = model(*rt.tensors(*(t.numpy() for t in tensors)))
+                    for name, value in {"loss": loss, **stats}.items():
+                        sums[name] = sums.get(name, 0.0) + value.item() * n
+                    count += n
+            finally:
+                model.train(was_training)
+        if count == 0:
+            raise TfmError("the held-out texts give the objective nothing to predict; hold out more texts with "
+                           "pretrain.val_texts")
+        m = {name: total / count for name, total in sums.items()}
+        tags = {f"pretrain_val/{k}": v for k, v in m.items()}
+        return {**m, "num_predicted": count}, tags, selection_score(m, self.select_metric)
 
 
 # --------------------------------------------------------------------------- the command
