@@ -64,8 +64,7 @@ def review_spans(tokenizer, texts: list[str], data_cfg) -> list[list[tuple[int, 
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     if read_length(data_cfg) is None:  # windows: every piece
         return [e.offsets for e in encodings]
-    return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation)
-            for e in encodings]
+    return [truncate(e.offsets, data_cfg.max_length - 1, data_cfg.truncation) for e in encodings]
 
 
 def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg) -> list[int | None]:
@@ -79,9 +78,9 @@ def cut_positions(tokenizer, texts: list[str], ids: list[torch.Tensor], data_cfg
     cuts: list[int | None] = []
     for text, row in zip(texts, ids):
         # a review that fills the model's length was cut if one more token would have been read
-        longer = len(row) - 1 == limit
-        longer = longer and encode_texts(tokenizer, [text], limit + 2, data_cfg.truncation)[1][1] > limit + 1
-        cuts.append(head if longer else None)
+        fills = len(row) - 1 == limit
+        cut = fills and encode_texts(tokenizer, [text], limit + 2, data_cfg.truncation)[1][1] > limit + 1
+        cuts.append(head if cut else None)
     return cuts
 
 

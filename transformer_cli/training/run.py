@@ -59,9 +59,9 @@ def run_config(folder: Path) -> dict | None:
         meta = read_json(folder / ckpt.CONFIG_FILE, "config")
     except (TfmError, OSError):
         return None
-    ours = isinstance(meta, dict) and meta.get("format_version") == FORMAT_VERSION
-    ours = ours and isinstance(meta.get("train"), dict)
-    return meta if ours else None
+    if not isinstance(meta, dict) or meta.get("format_version") != FORMAT_VERSION:
+        return None
+    return meta if isinstance(meta.get("train"), dict) else None
 
 
 def check_run_kind(folder: Path, pretraining: bool) -> None:
