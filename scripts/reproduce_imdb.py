@@ -19,7 +19,8 @@ A run whose folder holds metrics.json is not repeated, and an interrupted one re
 be stopped and started again. The command that made a run and its wall time, with every attempt's time
 added, are kept in its folder (step.json) and shown in the table. If a `tfm` step fails, the script names it
 and exits with its exit code. --pipeline-json writes each seed's pretrained pipeline (test accuracy, wall
-time of its two steps from raw data to the test figure, CPU, date, commands) as one JSON file.
+time of its two steps from raw data to the test figure, CPU, date, commands) into one JSON file, keeping the
+runs of other seeds that the file holds.
 
     python scripts/reproduce_imdb.py --data path/to/imdb
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2
@@ -157,20 +158,22 @@ def run_step(target: Path, cmd: list[str]) -> None:
         raise StepFailed(cmd, code)
 
 
-def pipeline_runs(out: Path, pair: str, seeds: list[int]) -> dict:
+def pipeline_runs(out: Path, pair: str, seeds: list[int], earlier: dict | None = None) -> dict:
     """Each seed's pretrained pipeline, its encoder then its fine-tuning: test accuracy, the two steps' wall
-    time, the date and the commands; the CPU as the fine-tuning's metrics.json names it."""
-    runs, hardware = [], ""
+    time, the CPU as the fine-tuning's metrics.json names it, the date and the commands. The runs of other
+    seeds in `earlier` (a file this wrote before, perhaps on another machine) are kept."""
+    runs = {r["seed"]: r for r in (earlier or {}).get("runs", [])}
     for seed in seeds:
         folders = encoder_dir(out, pair, seed), out / run_name("pretrained", seed, pair)
         records = [step_record(f) for f in folders]
         metrics = json.loads((folders[1] / "metrics.json").read_text())
-        hardware = metrics.get("hardware", hardware)
-        runs.append({"seed": seed, "test_accuracy": metrics["test"]["accuracy"],
-                     "val_accuracy": metrics["val"]["accuracy"],
-                     "wall_time_sec": round(sum(r["wall_time_sec"] for r in records), 1),
-                     "date": records[1].get("date"), "commands": [r.get("command") for r in records]})
-    return {"cpu": hardware, "cores": os.cpu_count(), "runs": runs}
+        runs[seed] = {"seed": seed, "test_accuracy": metrics["test"]["accuracy"],
+                      "val_accuracy": metrics["val"]["accuracy"],
+                      "wall_time_sec": round(sum(r["wall_time_sec"] for r in records), 1),
+                      "cpu": metrics.get("hardware", ""), "cores": os.cpu_count(), "date": records[1].get("date"),
+                      "commands": [r.get("command") for r in records]}
+    ordered = sorted(runs.values(), key=lambda r: r["seed"])
+    return {"cpu": "; ".join(dict.fromkeys(r["cpu"] for r in ordered)), "runs": ordered}
 
 
 def main() -> int:
@@ -230,8 +233,10 @@ def main() -> int:
             print(f"\n{recipe}: test accuracy {statistics.mean(tests):.2%} ± {statistics.stdev(tests):.2%} "
                   f"(mean ± sample std over {len(tests)} seeds)")
     if args.pipeline_json:
+        earlier = json.loads(args.pipeline_json.read_text()) if args.pipeline_json.exists() else None
         args.pipeline_json.parent.mkdir(parents=True, exist_ok=True)
-        args.pipeline_json.write_text(json.dumps(pipeline_runs(args.out, args.pair, args.seeds), indent=2) + "\n")
+        pipeline = pipeline_runs(args.out, args.pair, args.seeds, earlier)
+        args.pipeline_json.write_text(json.dumps(pipeline, indent=2) + "\n")
         print(f"wrote {args.pipeline_json}")
     return 0
 

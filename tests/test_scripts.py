@@ -201,10 +201,12 @@ def test_reproduce_adds_up_each_attempts_wall_time_and_writes_the_pipeline(tmp_p
     (encoder / "metrics.json").write_text("{}")
     metrics = {"hardware": "CPU: X", "val": {"accuracy": 0.9}, "test": {"accuracy": 0.91}}
     (finetune / "metrics.json").write_text(json.dumps(metrics))
-    pipeline = reproduce.pipeline_runs(tmp_path, "cpu", [5])
-    (run,) = pipeline["runs"]
+    earlier = {"runs": [{"seed": 5, "cpu": "old"}, {"seed": 9, "cpu": "CPU: Y"}]}  # seed 5 is run again
+    pipeline = reproduce.pipeline_runs(tmp_path, "cpu", [5], earlier)
+    run, kept = pipeline["runs"]
+    assert kept == earlier["runs"][1] and pipeline["cpu"] == "CPU: X; CPU: Y"
     steps = [json.loads((f / "step.json").read_text()) for f in (encoder, finetune)]
-    assert pipeline["cpu"] == "CPU: X" and run["seed"] == 5 and run["test_accuracy"] == 0.91
+    assert run["cpu"] == "CPU: X" and run["seed"] == 5 and run["test_accuracy"] == 0.91
     assert run["wall_time_sec"] == round(times[1] + times[2], 1) and run["commands"] == [s["command"] for s in steps]
 
 
