@@ -124,7 +124,8 @@ class StepFailed(Exception):
 
 
 def shown(cmd: list[str]) -> str:
-    return shlex.join(["tfm", *cmd[len(TFM):]])
+    """The `tfm` command line, with the recipes' paths as the project names them (configs/NAME.toml)."""
+    return shlex.join(["tfm", *(a.replace(f"{CONFIGS}/", "configs/") for a in cmd[len(TFM):])])
 
 
 def step_record(target: Path) -> dict:
