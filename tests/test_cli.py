@@ -459,6 +459,10 @@ def test_imbalance_warning_names_the_class_never_predicted():
     warning = imbalance_warning(majority)
     assert warning.startswith("it never predicts 'rare' on validation (macro-F1 0.4872, accuracy 0.9500)")
     assert "train.class_weights=balanced" in warning and "train.select_metric=macro_f1" in warning
+    weighted = imbalance_warning(majority, "balanced")  # only what the run has not set is suggested
+    assert "class_weights" not in weighted and "train.select_metric=macro_f1" in weighted
+    both = imbalance_warning(majority, [1.0, 9.0], "macro_f1")
+    assert "class_weights" not in both and "select_metric" not in both and "more examples" in both
     assert imbalance_warning(metrics_from_confusion([[90, 5], [3, 2]], ["common", "rare"])) is not None  # F1 low
     assert imbalance_warning(metrics_from_confusion([[48, 2], [3, 47]], ["neg", "pos"])) is None
 

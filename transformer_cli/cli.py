@@ -262,7 +262,7 @@ def train(
         line += (f"; no temperature (val ECE {cal['ece_before']:.4f}: the fitted {cal['fitted_temperature']:.3f} "
                  "would raise it)")
     typer.echo(line + f" ({metrics['train_time_sec']:.0f} s of training)")
-    warning = imbalance_warning(val)
+    warning = imbalance_warning(val, cfg.train.class_weights, cfg.train.select_metric)
     if warning:
         typer.echo(f"tfm: warning: {warning}", err=True)
 
