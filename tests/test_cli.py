@@ -465,6 +465,8 @@ def test_imbalance_warning_names_the_class_never_predicted():
     assert "class_weights" not in both and "select_metric" not in both and "more examples" in both
     assert imbalance_warning(metrics_from_confusion([[90, 5], [3, 2]], ["common", "rare"])) is not None  # F1 low
     assert imbalance_warning(metrics_from_confusion([[48, 2], [3, 47]], ["neg", "pos"])) is None
+    untrained = imbalance_warning(metrics_from_confusion([[50, 0], [50, 0]], ["neg", "pos"]))  # balanced classes
+    assert untrained.startswith("it never predicts 'pos'") and "longer" in untrained and "imbalanced" not in untrained
 
 
 def fail_in_predict(monkeypatch, error: Exception) -> None:

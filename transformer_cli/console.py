@@ -94,20 +94,23 @@ def snippet(text: str, width: int = 60) -> str:
 
 def imbalance_warning(val: dict, class_weights=None, select_metric: str | None = None) -> str | None:
     """What to do when the validation metrics show a model that leans on the majority: a class it never predicts,
-    or macro-F1 far below accuracy. It suggests the run's settings (train.class_weights, train.select_metric) that
-    are not set already."""
+    or macro-F1 far below accuracy. Where the classes are imbalanced it suggests the run's settings
+    (train.class_weights, train.select_metric) that are not set already."""
     predicted = [sum(column) for column in zip(*val.get("confusion_matrix", []))]
     never = [name for name, n in zip(val.get("labels", []), predicted) if n == 0]
     if not never and val.get("macro_f1", 1.0) >= val.get("accuracy", 0.0) - 0.1:
         return None
     why = f"it never predicts {', '.join(repr(n) for n in never)} on validation" if never else "its macro-F1 is low"
+    why += f" (macro-F1 {val['macro_f1']:.4f}, accuracy {val['accuracy']:.4f})"
+    support = [sum(row) for row in val.get("confusion_matrix", [])]
+    if support and min(support) >= 0.5 * max(support):  # balanced classes: the model has not learned them apart
+        return f"{why}: it has not learned the classes apart; train it longer or at another --lr"
     advice = []
     if class_weights is None:
         advice.append("weigh them with train.class_weights=balanced")
     if select_metric != "macro_f1":
         advice.append("select the model by macro-F1 with train.select_metric=macro_f1")
-    return (f"{why} (macro-F1 {val['macro_f1']:.4f}, accuracy {val['accuracy']:.4f}): the classes are imbalanced; "
-            + (", and ".join(advice) or "more examples of the rare classes would help most"))
+    return f"{why}: the classes are imbalanced; " + (", and ".join(advice) or "more examples of the rarer would help")
 
 
 def evaluation_report(m: dict) -> str:
