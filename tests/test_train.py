@@ -442,6 +442,17 @@ def test_a_forced_resume_that_changes_the_weights_shapes_is_a_usage_error_naming
     assert (out / ckpt.MODEL_FILE).read_bytes() == kept
 
 
+@pytest.mark.parametrize("before, after", [(1.0, 0.8), (0.8, 1.0)])
+def test_a_forced_resume_that_makes_or_undoes_groups_per_layer_is_a_usage_error(synthetic_data_dir, tmp_path, before,
+                                                                                 after):
+    out = tmp_path / "run"
+    train(tiny_config(synthetic_data_dir, out, train__max_steps=2, train__layer_lr_decay=before), progress=False)
+    changed = rf"^train.layer_lr_decay changed from {before} to {after}, .* start a new run"
+    with pytest.raises(UsageError, match=changed):
+        train(tiny_config(synthetic_data_dir, out, train__max_steps=3, train__layer_lr_decay=after), resume=True,
+              force=True, progress=False)
+
+
 def test_a_forced_resume_can_turn_the_weight_average_on(synthetic_data_dir, tmp_path):
     out = tmp_path / "run"
     train(tiny_config(synthetic_data_dir, out, train__max_steps=3, train__ema_decay=0.0), progress=False)  # no average

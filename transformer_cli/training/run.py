@@ -266,6 +266,11 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
         raise TfmError(f"checkpoint state '{path / 'trainer.json'}' is not a tfm checkpoint's (no config, state and "
                        "rng); pick another checkpoint with --resume-from")
     changed = _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
+    saved_decay = train_json["config"].get("train", {}).get("layer_lr_decay", 1.0)
+    if (saved_decay == 1.0) != (cfg.train.layer_lr_decay == 1.0):  # at 1.0 the optimizer has no groups per layer
+        raise UsageError(f"train.layer_lr_decay changed from {saved_decay!r} to {cfg.train.layer_lr_decay!r}, and the "
+                         "checkpoint's optimizer state does not fit groups per layer made or undone; --force accepts "
+                         "only changes between rates other than 1: start a new run (another --output-dir) for this")
     try:
         ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     except TfmError:
