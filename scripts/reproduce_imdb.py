@@ -25,7 +25,7 @@ runs of other seeds that the file holds.
     python scripts/reproduce_imdb.py --data path/to/imdb
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2
     python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained --pair gpu
-    python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2 \
+    python scripts/reproduce_imdb.py --data path/to/imdb --recipes pretrained scratch --seeds 1337 1 2 \\
         --pipeline-json docs/results/cpu-pipeline.json
     python scripts/reproduce_imdb.py --data path/to/imdb --seeds 1 -- train.eval_every=500   # overrides after --
 
@@ -159,20 +159,30 @@ def run_step(target: Path, cmd: list[str]) -> None:
         raise StepFailed(cmd, code)
 
 
+def rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
+
+
 def pipeline_runs(out: Path, pair: str, seeds: list[int], earlier: dict | None = None) -> dict:
     """Each seed's pretrained pipeline, its encoder then its fine-tuning: test accuracy, the two steps' wall
-    time, the CPU as the fine-tuning's metrics.json names it, the date and the commands. The runs of other
-    seeds in `earlier` (a file this wrote before, perhaps on another machine) are kept."""
+    time (and each step's wall time, training time, steps and why it stopped), the CPU as the fine-tuning's
+    metrics.json names it, the date and the commands. The runs of other seeds in `earlier` (a file this wrote
+    before, perhaps on another machine) are kept."""
     runs = {r["seed"]: r for r in (earlier or {}).get("runs", [])}
     for seed in seeds:
         folders = encoder_dir(out, pair, seed), out / run_name("pretrained", seed, pair)
         records = [step_record(f) for f in folders]
-        metrics = json.loads((folders[1] / "metrics.json").read_text())
+        both = [json.loads((f / "metrics.json").read_text()) for f in folders]
+        metrics = both[1]
+        stages = {f"{stage}_{key}": value for stage, record, m in zip(("pretrain", "finetune"), records, both)
+                  for key, value in (("wall_sec", rounded(record["wall_time_sec"])),
+                                     ("train_sec", rounded(m.get("train_time_sec"))), ("steps", m.get("steps")),
+                                     ("stop", m.get("stop_reason")))}
         runs[seed] = {"seed": seed, "test_accuracy": metrics["test"]["accuracy"],
                       "val_accuracy": metrics["val"]["accuracy"],
                       "wall_time_sec": round(sum(r["wall_time_sec"] for r in records), 1),
                       "cpu": metrics.get("hardware", ""), "cores": os.cpu_count(), "date": records[1].get("date"),
-                      "commands": [r.get("command") for r in records]}
+                      "stages": stages, "commands": [r.get("command") for r in records]}
     ordered = sorted(runs.values(), key=lambda r: r["seed"])
     return {"cpu": "; ".join(dict.fromkeys(r["cpu"] for r in ordered)), "runs": ordered}
 

@@ -198,8 +198,9 @@ def test_reproduce_adds_up_each_attempts_wall_time_and_writes_the_pipeline(tmp_p
             reproduce.run_step(folder, [*reproduce.TFM[:1], "-c", writes])
         times.append(json.loads((folder / "step.json").read_text())["wall_time_sec"])
     assert 0.3 <= times[0] < times[1]  # the second attempt's time is added to the first's
-    (encoder / "metrics.json").write_text("{}")
-    metrics = {"hardware": "CPU: X", "val": {"accuracy": 0.9}, "test": {"accuracy": 0.91}}
+    encoder_metrics = {"train_time_sec": 50.0, "steps": 7, "stop_reason": "time_budget"}
+    (encoder / "metrics.json").write_text(json.dumps(encoder_metrics))
+    metrics = {"hardware": "CPU: X", "val": {"accuracy": 0.9}, "test": {"accuracy": 0.91}, "steps": 3}
     (finetune / "metrics.json").write_text(json.dumps(metrics))
     earlier = {"runs": [{"seed": 5, "cpu": "old"}, {"seed": 9, "cpu": "CPU: Y"}]}  # seed 5 is run again
     pipeline = reproduce.pipeline_runs(tmp_path, "cpu", [5], earlier)
@@ -208,6 +209,9 @@ def test_reproduce_adds_up_each_attempts_wall_time_and_writes_the_pipeline(tmp_p
     steps = [json.loads((f / "step.json").read_text()) for f in (encoder, finetune)]
     assert run["cpu"] == "CPU: X" and run["seed"] == 5 and run["test_accuracy"] == 0.91
     assert run["wall_time_sec"] == round(times[1] + times[2], 1) and run["commands"] == [s["command"] for s in steps]
+    assert run["stages"] == {"pretrain_wall_sec": round(times[1], 1), "pretrain_train_sec": 50.0, "pretrain_steps": 7,
+                             "pretrain_stop": "time_budget", "finetune_wall_sec": round(times[2], 1),
+                             "finetune_train_sec": None, "finetune_steps": 3, "finetune_stop": None}
 
 
 def test_reproduce_refuses_self_training_on_the_gpu_pair():
