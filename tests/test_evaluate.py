@@ -37,20 +37,20 @@ def test_metrics_without_positive_predictions_are_zero_not_nan():
 
 
 @pytest.fixture(scope="session")
-def test_predictions(trained_dir, test_rows) -> list[dict]:
+def row_predictions(trained_dir, test_rows) -> list[dict]:
     return predict_texts(trained_dir, [r["text"] for r in test_rows], device="cpu")
 
 
-def test_evaluate_checkpoint_agrees_with_predictions(trained_dir, test_rows, test_predictions):
+def test_evaluate_checkpoint_agrees_with_predictions(trained_dir, test_rows, row_predictions):
     m = evaluate_checkpoint(trained_dir, device="cpu")
     truth = [r["label"] for r in test_rows]
-    predicted = [["neg", "pos"].index(p["label"]) for p in test_predictions]
+    predicted = [["neg", "pos"].index(p["label"]) for p in row_predictions]
     assert m["num_examples"] == len(test_rows)
     assert m["accuracy"] == pytest.approx(np.mean([p == t for p, t in zip(predicted, truth)]))
     confusion = np.zeros((2, 2), dtype=int)
     np.add.at(confusion, (truth, predicted), 1)
     assert m["confusion_matrix"] == confusion.tolist()
-    nll = [-math.log(p["probabilities"][["neg", "pos"][t]]) for p, t in zip(test_predictions, truth)]
+    nll = [-math.log(p["probabilities"][["neg", "pos"][t]]) for p, t in zip(row_predictions, truth)]
     assert m["loss"] == pytest.approx(np.mean(nll), rel=1e-4)
     assert m["accuracy"] >= 0.85  # the test split is unseen: the model generalises
 
@@ -85,15 +85,15 @@ def test_evaluate_data_whose_columns_are_named_otherwise(trained_dir, test_rows,
         same["accuracy"], same["confusion_matrix"], 30)
 
 
-def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, test_predictions):
-    for p in test_predictions:
+def test_predictions_are_distributions_in_input_order(trained_dir, test_rows, row_predictions):
+    for p in row_predictions:
         assert sum(p["probabilities"].values()) == pytest.approx(1.0)
         assert p["score"] == max(p["probabilities"].values())
         assert p["label"] == max(p["probabilities"], key=p["probabilities"].get)
     texts = [r["text"] for r in test_rows[:25]]
     reversed_predictions = predict_texts(trained_dir, texts[::-1], device="cpu", batch_size=4)
     assert len(reversed_predictions) == len(texts)
-    for a, b in zip(reversed_predictions[::-1], test_predictions[:25]):
+    for a, b in zip(reversed_predictions[::-1], row_predictions[:25]):
         assert a["label"] == b["label"]
         assert a["score"] == pytest.approx(b["score"], abs=1e-5)
 
