@@ -3,7 +3,7 @@
 A run is described by one `Config` with three sections (`model`, `data`, `train`). Their defaults
 are the default recipe, what `tfm train` runs without --config; each TOML recipe in `configs/`
 sets only the fields it changes; `KEY=VALUE` overrides on the command line use dotted keys
-(`model.n_layers=4`, `train.lr=3e-4`, `data.source=../shared/data/imdb`), with TOML value syntax.
+(`model.n_layers=4`, `train.lr=3e-4`, `data.source=path/to/imdb`), with TOML value syntax.
 """
 
 from __future__ import annotations
