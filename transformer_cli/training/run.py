@@ -268,9 +268,10 @@ def _restore(path: Path, cfg: Config, rt: Runtime, model, optimizer, scaler, ema
     changed = _check_resume_config(train_json["config"], cfg, rt.world_size, train_json.get("world_size", 1), force)
     saved_decay = train_json["config"].get("train", {}).get("layer_lr_decay", 1.0)
     if (saved_decay == 1.0) != (cfg.train.layer_lr_decay == 1.0):  # at 1.0 the optimizer has no groups per layer
-        raise UsageError(f"train.layer_lr_decay changed from {saved_decay!r} to {cfg.train.layer_lr_decay!r}, and the "
-                         "checkpoint's optimizer state does not fit groups per layer made or undone; --force accepts "
-                         "only changes between rates other than 1: start a new run (another --output-dir) for this")
+        raise UsageError(f"train.layer_lr_decay changed from {saved_decay!r} to {cfg.train.layer_lr_decay!r}, which "
+                         "splits the optimizer into groups per layer or joins them, and the checkpoint's optimizer "
+                         "state does not fit; --force accepts a change only between rates below 1: start a new run "
+                         "(another --output-dir) for this")
     try:
         ckpt.load_weights(model, path / ckpt.MODEL_FILE)
     except TfmError:
